@@ -1,0 +1,52 @@
+"""The broker's functional core: index, leases, pins, eviction, placement and cost model.
+
+Pure code: it imports no gRPC, etcd or generated stubs, and takes the time as an argument.
+"""
+
+from broker.core.eviction import POLICIES, CostAwarePolicy, EvictionPolicy, LruPolicy, choose_victims, make_policy
+from broker.core.index import BlockIndex, Match
+from broker.core.model import (
+    Addresses,
+    CostEstimate,
+    Decision,
+    EngineInfo,
+    EngineLoad,
+    EngineRecord,
+    EvictionCommand,
+    EvictionReason,
+    Lease,
+    Pin,
+    Plan,
+    Role,
+)
+from broker.core.placement import PlaceInput, PlacementPolicy, place
+from broker.core.state import BrokerState, Changes, Limits
+
+__all__ = [
+    "POLICIES",
+    "Addresses",
+    "BlockIndex",
+    "BrokerState",
+    "Changes",
+    "CostAwarePolicy",
+    "CostEstimate",
+    "Decision",
+    "EngineInfo",
+    "EngineLoad",
+    "EngineRecord",
+    "EvictionCommand",
+    "EvictionPolicy",
+    "EvictionReason",
+    "Lease",
+    "Limits",
+    "LruPolicy",
+    "Match",
+    "Pin",
+    "PlaceInput",
+    "Plan",
+    "PlacementPolicy",
+    "Role",
+    "choose_victims",
+    "make_policy",
+    "place",
+]

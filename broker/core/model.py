@@ -1,0 +1,158 @@
+"""The broker's value types. Pure data: no I/O, no gRPC, no generated code."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Role(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BOTH = "both"
+
+    @property
+    def can_prefill(self) -> bool:
+        return self in (Role.PREFILL, Role.BOTH)
+
+    @property
+    def can_decode(self) -> bool:
+        return self in (Role.DECODE, Role.BOTH)
+
+
+class Decision(enum.Enum):
+    RECOMPUTE = "RECOMPUTE"
+    TRANSFER = "TRANSFER"
+    LOCAL = "LOCAL"
+
+
+class EvictionReason(enum.Enum):
+    BUDGET = "budget"
+    MEMORY_PRESSURE = "memory_pressure"
+    TTL_EXPIRED = "ttl_expired"
+    SUPERSEDED = "superseded"
+    RESYNC = "resync"
+    RELEASED = "released"
+    ENGINE_GONE = "engine_gone"
+
+
+@dataclass(frozen=True, slots=True)
+class Addresses:
+    grpc: str = ""
+    http: str = ""
+    nixl: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    engine_id: str
+    role: Role
+    block_size: int
+    layout_fingerprint: str
+    retention_budget_blocks: int
+    addresses: Addresses = Addresses()
+    incarnation: str = ""
+
+    def same_layout(self, other: EngineInfo) -> bool:
+        return (self.block_size, self.layout_fingerprint) == (other.block_size, other.layout_fingerprint)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    running_requests: int = 0
+    waiting_requests: int = 0
+    kv_usage: float = 0.0
+    memory_pressure: bool = False
+    pressure_free_blocks: int = 0
+    prefill_tokens_per_s: float = 0.0
+    transfer_bytes_per_s: float = 0.0
+    bytes_per_block: int = 0
+
+    @property
+    def score(self) -> float:
+        """Lower is less loaded: queued work first, KV usage as a tie-breaker."""
+        return self.running_requests + self.waiting_requests + self.kv_usage
+
+
+@dataclass(slots=True)
+class EngineRecord:
+    info: EngineInfo
+    registered_at: float
+    last_seen: float
+    load: EngineLoad = EngineLoad()
+    eviction_seq: int = 0
+    """Sequence number of the last eviction command issued to this engine."""
+    learned_bandwidth: float = 0.0
+    """Bytes/s learned from completed pulls out of this engine (EWMA); 0 = none yet."""
+
+
+@dataclass(slots=True)
+class Lease:
+    lease_id: str
+    engine_id: str
+    session_id: str
+    keys: tuple[bytes, ...]
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    ttl_s: float
+    expires_at: float
+    last_used: float
+    created_at: float
+    pin_ids: set[str] = field(default_factory=set)
+    pending: EvictionReason | None = None
+    """An eviction that fell on this lease while pinned; carried out when the last pin ends."""
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self.pin_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class Pin:
+    pin_id: str
+    lease_id: str
+    reader_engine_id: str
+    num_blocks: int
+    expires_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class EvictionCommand:
+    seq: int
+    engine_id: str
+    lease_id: str
+    block_ids: tuple[int, ...]
+    reason: EvictionReason
+    live_lease_ids: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class CostEstimate:
+    transfer_s: float = 0.0
+    recompute_s: float = 0.0
+    bandwidth_bytes_per_s: float = 0.0
+    prefill_tokens_per_s: float = 0.0
+    bytes_per_block: int = 0
+    measured: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Where a turn runs and why. Carries every field a trace needs to explain the decision."""
+
+    decision: Decision
+    reason: str
+    prompt_blocks: int
+    threshold_tokens: int
+    prefill: EngineInfo
+    decode: EngineInfo
+    decode_sticky: bool
+    session_id: str = ""
+    source: EngineInfo | None = None
+    source_lease_id: str = ""
+    source_block_ids: tuple[int, ...] = ()
+    matched_blocks: int = 0
+    matched_tokens: int = 0
+    recompute_tokens: int = 0
+    candidates: int = 0
+    cost: CostEstimate = CostEstimate()

@@ -1,0 +1,480 @@
+"""The broker's state machine: engines, leases, pins, eviction commands. Pure: every method takes
+``now`` (wall-clock seconds) and nothing here touches a clock, a socket or a store.
+
+The shell persists what changed (``take_changes``) and delivers eviction commands to engines.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from broker.core.eviction import EvictionPolicy, choose_victims
+from broker.core.index import BlockIndex
+from broker.core.model import (
+    EngineInfo,
+    EngineLoad,
+    EngineRecord,
+    EvictionCommand,
+    EvictionReason,
+    Lease,
+    Pin,
+    Plan,
+)
+from broker.core.placement import PlaceInput, PlacementPolicy, place
+from kvloop.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from kvloop.hashing import KEY_BYTES
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_block_keys: int = 8192
+    min_ttl_s: float = 1.0
+    max_ttl_s: float = 86400.0
+    default_ttl_s: float = 480.0
+    default_pin_timeout_s: float = 10.0
+    max_pin_timeout_s: float = 120.0
+    engine_ttl_s: float = 10.0
+    max_id_len: int = 256
+    eviction_log_size: int = 4096
+
+
+@dataclass
+class Changes:
+    """What to persist since the last ``take_changes``: objects to put, ids to delete, commands."""
+
+    engines: dict[str, EngineRecord | None] = field(default_factory=dict)
+    leases: dict[str, Lease | None] = field(default_factory=dict)
+    pins: dict[str, Pin | None] = field(default_factory=dict)
+    commands: list[EvictionCommand] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.engines or self.leases or self.pins or self.commands)
+
+
+def _check_id(value: str, name: str, limit: int, *, required: bool = True) -> None:
+    if required and not value:
+        raise InvalidArgument(f"{name}: must not be empty", field=name)
+    if len(value) > limit:
+        raise InvalidArgument(f"{name}: longer than {limit} characters", field=name)
+
+
+class BrokerState:
+    def __init__(
+        self,
+        eviction_policy: EvictionPolicy,
+        placement_policy: PlacementPolicy | None = None,
+        limits: Limits | None = None,
+        new_id: Callable[[], str] = lambda: uuid.uuid4().hex,
+    ) -> None:
+        self.eviction_policy = eviction_policy
+        self.placement_policy = placement_policy or PlacementPolicy()
+        self.limits = limits or Limits()
+        self._new_id = new_id
+        self.engines: dict[str, EngineRecord] = {}
+        self.leases: dict[str, Lease] = {}
+        self.pins: dict[str, Pin] = {}
+        self._index = BlockIndex()
+        self._refs: dict[str, Counter[int]] = {}
+        self._engine_leases: dict[str, set[str]] = {}
+        self._session_leases: dict[str, set[str]] = {}
+        self._logs: dict[str, deque[EvictionCommand]] = {}
+        self._changes = Changes()
+
+    # ----------------------------------------------------------------- bookkeeping
+    def take_changes(self) -> Changes:
+        changes, self._changes = self._changes, Changes()
+        return changes
+
+    def _touch_engine(self, rec: EngineRecord) -> None:
+        self._changes.engines[rec.info.engine_id] = rec
+
+    def _touch_lease(self, lease: Lease) -> None:
+        self._changes.leases[lease.lease_id] = lease
+
+    def retained_blocks(self, engine_id: str) -> int:
+        return sum(1 for n in self._refs.get(engine_id, Counter()).values() if n > 0)
+
+    def engine_lease_ids(self, engine_id: str) -> list[str]:
+        return sorted(self._engine_leases.get(engine_id, ()))
+
+    def hold_until(self, lease: Lease) -> float:
+        """When the lease may disappear from a store at the latest: its expiry or its last pin's."""
+        pins = [self.pins[p].expires_at for p in lease.pin_ids if p in self.pins]
+        return max([lease.expires_at, *pins])
+
+    def load(self, engines: Iterable[EngineRecord], leases: Iterable[Lease], pins: Iterable[Pin]) -> None:
+        """Restore from a store (a restarted broker or a new leader). Eviction logs start empty, so an
+        engine that reconnects with an older sequence number gets a resync."""
+        for rec in engines:
+            self.engines[rec.info.engine_id] = rec
+            self._refs[rec.info.engine_id] = Counter()
+            self._engine_leases[rec.info.engine_id] = set()
+            self._logs[rec.info.engine_id] = deque(maxlen=self.limits.eviction_log_size)
+        for lease in leases:
+            if lease.engine_id in self.engines:
+                lease.pin_ids = set()
+                self._add_lease(lease)
+        for pin in pins:
+            if pin.lease_id in self.leases:
+                self.pins[pin.pin_id] = pin
+                self.leases[pin.lease_id].pin_ids.add(pin.pin_id)
+        self._changes = Changes()
+
+    # ----------------------------------------------------------------- engines
+    def register(self, info: EngineInfo, now: float) -> tuple[EngineRecord, list[str]]:
+        lim = self.limits.max_id_len
+        _check_id(info.engine_id, "engine.engine_id", lim)
+        _check_id(info.layout_fingerprint, "engine.layout_fingerprint", lim)
+        _check_id(info.incarnation, "engine.incarnation", lim, required=False)
+        if info.block_size <= 0:
+            raise InvalidArgument("engine.block_size: must be positive", field="engine.block_size")
+        if info.retention_budget_blocks < 0:
+            raise InvalidArgument("engine.retention_budget_blocks: must not be negative",
+                                  field="engine.retention_budget_blocks")
+        old = self.engines.get(info.engine_id)
+        if old is not None and old.info.incarnation == info.incarnation:
+            if not old.info.same_layout(info) or old.info.role != info.role:
+                raise FailedPrecondition(
+                    f"engine.layout_fingerprint: engine {info.engine_id!r} is registered with role "
+                    f"{old.info.role.value}, fingerprint {old.info.layout_fingerprint!r} and block size "
+                    f"{old.info.block_size}; a live incarnation cannot change them",
+                    field="engine.layout_fingerprint",
+                )
+            old.info = info  # a reconnect: addresses or budget may have changed
+            old.last_seen = now
+            self._touch_engine(old)
+            return old, self.engine_lease_ids(info.engine_id)
+        if old is not None:
+            # A new incarnation: the process restarted, its retained blocks are gone.
+            self._drop_engine(info.engine_id)
+        rec = EngineRecord(info=info, registered_at=now, last_seen=now,
+                           eviction_seq=old.eviction_seq if old else 0)
+        self.engines[info.engine_id] = rec
+        self._refs[info.engine_id] = Counter()
+        self._engine_leases[info.engine_id] = set()
+        self._logs[info.engine_id] = deque(maxlen=self.limits.eviction_log_size)
+        self._touch_engine(rec)
+        return rec, []
+
+    def _engine(self, engine_id: str, field_name: str = "engine_id") -> EngineRecord:
+        rec = self.engines.get(engine_id)
+        if rec is None:
+            raise NotFound(f"{field_name}: engine {engine_id!r} is not registered (or expired)", field=field_name)
+        return rec
+
+    def keepalive(self, engine_id: str, load: EngineLoad, now: float) -> EngineRecord:
+        rec = self._engine(engine_id)
+        if not 0.0 <= load.kv_usage <= 1.0:
+            raise InvalidArgument("load.kv_usage: must be within 0..1", field="load.kv_usage")
+        for name in ("prefill_tokens_per_s", "transfer_bytes_per_s"):
+            if getattr(load, name) < 0:
+                raise InvalidArgument(f"load.{name}: must not be negative", field=f"load.{name}")
+        rec.load = load
+        rec.last_seen = now
+        self._touch_engine(rec)
+        if load.memory_pressure:
+            retained = self.retained_blocks(engine_id)
+            need = load.pressure_free_blocks or max(1, retained // 10)
+            self._evict_for(engine_id, need, EvictionReason.MEMORY_PRESSURE, now)
+        return rec
+
+    def deregister(self, engine_id: str) -> int:
+        self._engine(engine_id)
+        return self._drop_engine(engine_id)
+
+    def _drop_engine(self, engine_id: str) -> int:
+        lease_ids = list(self._engine_leases.get(engine_id, ()))
+        for lid in lease_ids:
+            self._remove_lease(self.leases[lid])
+        for pin in [p for p in self.pins.values() if p.reader_engine_id == engine_id]:
+            self._unpin(pin.pin_id)
+        self.engines.pop(engine_id, None)
+        self._refs.pop(engine_id, None)
+        self._engine_leases.pop(engine_id, None)
+        self._logs.pop(engine_id, None)
+        self._changes.engines[engine_id] = None
+        return len(lease_ids)
+
+    # ----------------------------------------------------------------- leases
+    def _validate_ttl(self, ttl_s: float, name: str = "ttl_s") -> float:
+        if ttl_s == 0:
+            return self.limits.default_ttl_s
+        if not self.limits.min_ttl_s <= ttl_s <= self.limits.max_ttl_s:
+            raise InvalidArgument(
+                f"{name}: {ttl_s} is outside {self.limits.min_ttl_s}..{self.limits.max_ttl_s} seconds", field=name
+            )
+        return ttl_s
+
+    def _validate_keys(self, keys: Sequence[bytes], name: str = "block_keys") -> None:
+        if not keys:
+            raise InvalidArgument(f"{name}: must not be empty", field=name)
+        if len(keys) > self.limits.max_block_keys:
+            raise ResourceExhausted(
+                f"{name}: {len(keys)} keys exceed the limit of {self.limits.max_block_keys}", field=name
+            )
+        for i, key in enumerate(keys):
+            if len(key) != KEY_BYTES:
+                raise InvalidArgument(f"{name}[{i}]: a block key is {KEY_BYTES} bytes, got {len(key)}", field=name)
+
+    def publish(
+        self,
+        engine_id: str,
+        session_id: str,
+        keys: Sequence[bytes],
+        block_ids: Sequence[int],
+        num_tokens: int,
+        ttl_s: float,
+        now: float,
+    ) -> tuple[Lease, list[EvictionCommand]]:
+        rec = self._engine(engine_id)
+        _check_id(session_id, "session_id", self.limits.max_id_len, required=False)
+        self._validate_keys(keys)
+        if len(block_ids) != len(keys):
+            raise InvalidArgument(
+                f"block_ids: {len(block_ids)} ids for {len(keys)} keys; give one id per key", field="block_ids"
+            )
+        if min(block_ids) < 0 or len(set(block_ids)) != len(block_ids):
+            raise InvalidArgument("block_ids: ids must be non-negative and distinct", field="block_ids")
+        bs = rec.info.block_size
+        if not len(keys) * bs <= num_tokens < (len(keys) + 1) * bs:
+            raise InvalidArgument(
+                f"num_tokens: {num_tokens} tokens do not fit {len(keys)} full blocks of {bs}", field="num_tokens"
+            )
+        ttl = self._validate_ttl(ttl_s)
+        budget = rec.info.retention_budget_blocks
+        if len(block_ids) > budget:
+            raise ResourceExhausted(
+                f"block_ids: {len(block_ids)} blocks exceed engine {engine_id!r}'s retention budget of {budget}",
+                field="block_ids",
+            )
+
+        # Leases on this engine that the new one extends (same content, a prefix of it) are redundant.
+        superseded = [
+            m.lease for m in self._index.matches(keys, self.leases, lambda lease: lease.engine_id == engine_id)
+            if m.blocks == len(m.lease.keys) and m.lease.pending is None
+        ]
+        refs = Counter(self._refs[engine_id])
+        for old in superseded:
+            if not old.pinned:
+                refs.subtract(set(old.block_ids))
+        refs.update(set(block_ids))
+        need = sum(1 for n in refs.values() if n > 0) - budget
+        gone = {old.lease_id for old in superseded}
+        candidates = [
+            self.leases[lid] for lid in self._engine_leases[engine_id]
+            if lid not in gone and not self.leases[lid].pinned and self.leases[lid].pending is None
+        ]
+        victims, freed = choose_victims(self.eviction_policy, candidates, +refs, need, now)
+        if freed < need:
+            raise ResourceExhausted(
+                f"block_ids: engine {engine_id!r}'s retention budget of {budget} blocks is held by pinned "
+                f"leases; {need - freed} more blocks cannot be freed now",
+                field="block_ids",
+            )
+        commands: list[EvictionCommand] = []
+        for old in superseded:
+            commands.extend(self._evict(old, EvictionReason.SUPERSEDED))
+        for victim in victims:
+            commands.extend(self._evict(victim, EvictionReason.BUDGET))
+        lease = Lease(
+            lease_id=self._new_id(), engine_id=engine_id, session_id=session_id, keys=tuple(keys),
+            block_ids=tuple(block_ids), num_tokens=num_tokens, ttl_s=ttl, expires_at=now + ttl,
+            last_used=now, created_at=now,
+        )
+        self._add_lease(lease)
+        self._touch_lease(lease)
+        return lease, commands
+
+    def _lease(self, lease_id: str) -> Lease:
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            raise NotFound(f"lease_id: lease {lease_id!r} does not exist (released, evicted or expired)",
+                           field="lease_id")
+        return lease
+
+    def renew(self, lease_id: str, ttl_s: float, now: float) -> Lease:
+        lease = self._lease(lease_id)
+        if lease.pending is not None:
+            raise FailedPrecondition(f"lease_id: lease {lease_id!r} is being evicted ({lease.pending.value})",
+                                     field="lease_id")
+        lease.ttl_s = self._validate_ttl(ttl_s) if ttl_s else lease.ttl_s
+        lease.expires_at = now + lease.ttl_s
+        lease.last_used = now
+        self._touch_lease(lease)
+        return lease
+
+    def release(self, lease_id: str, now: float) -> bool:
+        """Engine-initiated release. Returns True when deferred by a pin: the engine then frees the
+        blocks on the RELEASED eviction command, not before."""
+        lease = self._lease(lease_id)
+        if lease.pinned:
+            lease.pending = lease.pending or EvictionReason.RELEASED
+            self._touch_lease(lease)
+            return True
+        self._remove_lease(lease)
+        return False
+
+    def _add_lease(self, lease: Lease) -> None:
+        self.leases[lease.lease_id] = lease
+        self._index.add(lease)
+        self._refs[lease.engine_id].update(set(lease.block_ids))
+        self._engine_leases[lease.engine_id].add(lease.lease_id)
+        if lease.session_id:
+            self._session_leases.setdefault(lease.session_id, set()).add(lease.lease_id)
+
+    def _remove_lease(self, lease: Lease) -> None:
+        del self.leases[lease.lease_id]
+        self._index.remove(lease)
+        refs = self._refs[lease.engine_id]
+        refs.subtract(set(lease.block_ids))
+        for block in set(lease.block_ids):
+            if refs[block] <= 0:
+                del refs[block]
+        self._engine_leases[lease.engine_id].discard(lease.lease_id)
+        if lease.session_id:
+            held = self._session_leases.get(lease.session_id)
+            if held is not None:
+                held.discard(lease.lease_id)
+                if not held:
+                    del self._session_leases[lease.session_id]
+        for pin_id in list(lease.pin_ids):
+            self.pins.pop(pin_id, None)
+            self._changes.pins[pin_id] = None
+        self._changes.leases[lease.lease_id] = None
+
+    def _evict(self, lease: Lease, reason: EvictionReason) -> list[EvictionCommand]:
+        """Evict now, or defer while pinned. Returns the command issued, if any."""
+        if lease.pinned:
+            if lease.pending is None:
+                lease.pending = reason
+                self._touch_lease(lease)
+            return []
+        self._remove_lease(lease)
+        return [self._command(lease.engine_id, lease.lease_id, lease.block_ids, reason)]
+
+    def _command(self, engine_id: str, lease_id: str, block_ids: tuple[int, ...],
+                 reason: EvictionReason) -> EvictionCommand:
+        rec = self.engines[engine_id]
+        rec.eviction_seq += 1
+        cmd = EvictionCommand(seq=rec.eviction_seq, engine_id=engine_id, lease_id=lease_id,
+                              block_ids=block_ids, reason=reason)
+        self._logs[engine_id].append(cmd)
+        self._changes.commands.append(cmd)
+        self._touch_engine(rec)
+        return cmd
+
+    def _evict_for(self, engine_id: str, need: int, reason: EvictionReason, now: float) -> list[EvictionCommand]:
+        candidates = [self.leases[lid] for lid in self._engine_leases[engine_id]
+                      if not self.leases[lid].pinned and self.leases[lid].pending is None]
+        victims, _ = choose_victims(self.eviction_policy, candidates, self._refs[engine_id], need, now)
+        return [cmd for victim in victims for cmd in self._evict(victim, reason)]
+
+    # ----------------------------------------------------------------- pins
+    def pin(self, reader_engine_id: str, lease_id: str, num_blocks: int, timeout_s: float, now: float) -> Pin:
+        reader = self._engine(reader_engine_id, "reader_engine_id")
+        lease = self._lease(lease_id)
+        if lease.pending is not None:
+            raise FailedPrecondition(f"lease_id: lease {lease_id!r} is being evicted ({lease.pending.value})",
+                                     field="lease_id")
+        if not reader.info.same_layout(self.engines[lease.engine_id].info):
+            raise FailedPrecondition(
+                f"reader_engine_id: engine {reader_engine_id!r} has a different KV layout fingerprint or block "
+                f"size than the lease's engine {lease.engine_id!r}",
+                field="reader_engine_id",
+            )
+        if not 1 <= num_blocks <= len(lease.block_ids):
+            raise InvalidArgument(f"num_blocks: must be within 1..{len(lease.block_ids)}", field="num_blocks")
+        timeout = timeout_s or self.limits.default_pin_timeout_s
+        if not 0 < timeout <= self.limits.max_pin_timeout_s:
+            raise InvalidArgument(f"timeout_s: must be within 0..{self.limits.max_pin_timeout_s}",
+                                  field="timeout_s")
+        pin = Pin(pin_id=self._new_id(), lease_id=lease_id, reader_engine_id=reader_engine_id,
+                  num_blocks=num_blocks, expires_at=now + timeout)
+        self.pins[pin.pin_id] = pin
+        lease.pin_ids.add(pin.pin_id)
+        self._changes.pins[pin.pin_id] = pin
+        self._touch_lease(lease)
+        return pin
+
+    def complete(self, pin_id: str, success: bool, nbytes: int, duration_s: float, now: float) -> Lease | None:
+        """End a pin. A successful pull renews the lease (a turn used it) and teaches the broker the
+        source's bandwidth. Returns the lease if it is still retained."""
+        pin = self.pins.get(pin_id)
+        if pin is None:
+            raise NotFound(f"pin_id: pin {pin_id!r} does not exist (completed or timed out)", field="pin_id")
+        if nbytes < 0 or duration_s < 0:
+            raise InvalidArgument("bytes/duration_s: must not be negative", field="duration_s")
+        lease = self.leases.get(pin.lease_id)
+        if success and lease is not None:
+            source = self.engines[lease.engine_id]
+            if nbytes > 0 and duration_s > 0:
+                sample = nbytes / duration_s
+                old = source.learned_bandwidth
+                source.learned_bandwidth = sample if old == 0 else 0.7 * old + 0.3 * sample
+                self._touch_engine(source)
+            if lease.pending is None:
+                lease.expires_at = now + lease.ttl_s
+                lease.last_used = now
+                self._touch_lease(lease)
+        self._unpin(pin_id)
+        return self.leases.get(pin.lease_id)
+
+    def _unpin(self, pin_id: str) -> None:
+        pin = self.pins.pop(pin_id)
+        self._changes.pins[pin_id] = None
+        lease = self.leases.get(pin.lease_id)
+        if lease is None:
+            return
+        lease.pin_ids.discard(pin_id)
+        self._touch_lease(lease)
+        if not lease.pinned and lease.pending is not None:
+            reason, lease.pending = lease.pending, None
+            self._evict(lease, reason)
+
+    # ----------------------------------------------------------------- time
+    def tick(self, now: float) -> None:
+        """Expire pins, then leases, then engines whose keep-alive stopped."""
+        for pin in [p for p in self.pins.values() if p.expires_at <= now]:
+            self._unpin(pin.pin_id)
+        for lease in [x for x in self.leases.values() if x.expires_at <= now and x.pending is None]:
+            self._evict(lease, EvictionReason.TTL_EXPIRED)
+        deadline = now - self.limits.engine_ttl_s
+        for engine_id in [e for e, rec in self.engines.items() if rec.last_seen <= deadline]:
+            self._drop_engine(engine_id)
+
+    # ----------------------------------------------------------------- placement
+    def place(self, request: PlaceInput, now: float) -> Plan:
+        _check_id(request.session_id, "session_id", self.limits.max_id_len, required=False)
+        if request.keys:
+            self._validate_keys(request.keys)
+        if request.block_size <= 0:
+            raise InvalidArgument("block_size: must be positive", field="block_size")
+        if not len(request.keys) * request.block_size <= request.num_tokens:
+            raise InvalidArgument(
+                f"num_tokens: {request.num_tokens} tokens cannot hold {len(request.keys)} full blocks",
+                field="num_tokens",
+            )
+        matches = self._index.matches(request.keys, self.leases) if request.keys else []
+        session_engine = ""
+        held = self._session_leases.get(request.session_id) if request.session_id else None
+        if held:
+            latest = max((self.leases[lid] for lid in held), key=lambda lease: lease.last_used)
+            session_engine = latest.engine_id
+        return place(request, list(self.engines.values()), matches, self.placement_policy, session_engine)
+
+    # ----------------------------------------------------------------- eviction stream
+    def commands_after(self, engine_id: str, after_seq: int) -> list[EvictionCommand]:
+        """Commands an engine has not applied yet; a RESYNC when the log no longer covers the gap."""
+        rec = self._engine(engine_id)
+        log = self._logs[engine_id]
+        last = rec.eviction_seq
+        if after_seq == last:
+            return []
+        if after_seq > last or not log or after_seq < log[0].seq - 1:
+            return [EvictionCommand(seq=last, engine_id=engine_id, lease_id="", block_ids=(),
+                                    reason=EvictionReason.RESYNC,
+                                    live_lease_ids=tuple(self.engine_lease_ids(engine_id)))]
+        return [cmd for cmd in log if cmd.seq > after_seq]

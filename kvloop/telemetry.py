@@ -1,0 +1,61 @@
+"""Logging and tracing set-up shared by every kvloop service.
+
+Logs: structlog, JSON lines in production (``json``), coloured key=value on a terminal (``console``);
+``auto`` picks console when stderr is a TTY. Traces: OpenTelemetry; the OTLP exporter is configured
+by the standard ``OTEL_EXPORTER_OTLP_*`` variables when ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or the traces
+variant) is set, and ``console_spans`` prints spans to stderr for local use.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+import structlog
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanProcessor
+
+LOG_FORMATS = ("auto", "json", "console")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def configure_logging(fmt: str = "auto", level: str = "info") -> None:
+    if fmt == "auto":
+        fmt = "console" if sys.stderr.isatty() else "json"
+    renderer: Any = (
+        structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer(colors=False)
+    )
+    logging.basicConfig(stream=sys.stderr, level=level.upper(), format="%(message)s")
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+
+
+def configure_tracing(
+    service_name: str, *, console_spans: bool = False, extra: SpanProcessor | None = None
+) -> TracerProvider:
+    """Install a global TracerProvider for this process and return it (shut it down on exit)."""
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    if console_spans:
+        provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter(out=sys.stderr)))
+    if extra is not None:
+        provider.add_span_processor(extra)
+    trace.set_tracer_provider(provider)
+    return provider

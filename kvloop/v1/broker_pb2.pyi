@@ -1,0 +1,407 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class EngineRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ENGINE_ROLE_UNSPECIFIED: _ClassVar[EngineRole]
+    ENGINE_ROLE_PREFILL: _ClassVar[EngineRole]
+    ENGINE_ROLE_DECODE: _ClassVar[EngineRole]
+    ENGINE_ROLE_BOTH: _ClassVar[EngineRole]
+
+class Decision(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DECISION_UNSPECIFIED: _ClassVar[Decision]
+    DECISION_RECOMPUTE: _ClassVar[Decision]
+    DECISION_TRANSFER: _ClassVar[Decision]
+    DECISION_LOCAL: _ClassVar[Decision]
+
+class EvictionReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    EVICTION_REASON_UNSPECIFIED: _ClassVar[EvictionReason]
+    EVICTION_REASON_BUDGET: _ClassVar[EvictionReason]
+    EVICTION_REASON_MEMORY_PRESSURE: _ClassVar[EvictionReason]
+    EVICTION_REASON_TTL_EXPIRED: _ClassVar[EvictionReason]
+    EVICTION_REASON_SUPERSEDED: _ClassVar[EvictionReason]
+    EVICTION_REASON_RESYNC: _ClassVar[EvictionReason]
+    EVICTION_REASON_RELEASED: _ClassVar[EvictionReason]
+    EVICTION_REASON_ENGINE_GONE: _ClassVar[EvictionReason]
+ENGINE_ROLE_UNSPECIFIED: EngineRole
+ENGINE_ROLE_PREFILL: EngineRole
+ENGINE_ROLE_DECODE: EngineRole
+ENGINE_ROLE_BOTH: EngineRole
+DECISION_UNSPECIFIED: Decision
+DECISION_RECOMPUTE: Decision
+DECISION_TRANSFER: Decision
+DECISION_LOCAL: Decision
+EVICTION_REASON_UNSPECIFIED: EvictionReason
+EVICTION_REASON_BUDGET: EvictionReason
+EVICTION_REASON_MEMORY_PRESSURE: EvictionReason
+EVICTION_REASON_TTL_EXPIRED: EvictionReason
+EVICTION_REASON_SUPERSEDED: EvictionReason
+EVICTION_REASON_RESYNC: EvictionReason
+EVICTION_REASON_RELEASED: EvictionReason
+EVICTION_REASON_ENGINE_GONE: EvictionReason
+
+class EngineAddresses(_message.Message):
+    __slots__ = ("grpc", "http", "nixl")
+    GRPC_FIELD_NUMBER: _ClassVar[int]
+    HTTP_FIELD_NUMBER: _ClassVar[int]
+    NIXL_FIELD_NUMBER: _ClassVar[int]
+    grpc: str
+    http: str
+    nixl: str
+    def __init__(self, grpc: _Optional[str] = ..., http: _Optional[str] = ..., nixl: _Optional[str] = ...) -> None: ...
+
+class Engine(_message.Message):
+    __slots__ = ("engine_id", "role", "addresses", "block_size", "layout_fingerprint", "retention_budget_blocks", "incarnation")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_BUDGET_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    role: EngineRole
+    addresses: EngineAddresses
+    block_size: int
+    layout_fingerprint: str
+    retention_budget_blocks: int
+    incarnation: str
+    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[_Union[EngineRole, str]] = ..., addresses: _Optional[_Union[EngineAddresses, _Mapping]] = ..., block_size: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., retention_budget_blocks: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
+
+class EngineLoad(_message.Message):
+    __slots__ = ("running_requests", "waiting_requests", "kv_usage", "memory_pressure", "pressure_free_blocks", "prefill_tokens_per_s", "transfer_bytes_per_s", "bytes_per_block")
+    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    KV_USAGE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_PRESSURE_FIELD_NUMBER: _ClassVar[int]
+    PRESSURE_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    running_requests: int
+    waiting_requests: int
+    kv_usage: float
+    memory_pressure: bool
+    pressure_free_blocks: int
+    prefill_tokens_per_s: float
+    transfer_bytes_per_s: float
+    bytes_per_block: int
+    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_usage: _Optional[float] = ..., memory_pressure: _Optional[bool] = ..., pressure_free_blocks: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., transfer_bytes_per_s: _Optional[float] = ..., bytes_per_block: _Optional[int] = ...) -> None: ...
+
+class RegisterEngineRequest(_message.Message):
+    __slots__ = ("engine",)
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    engine: Engine
+    def __init__(self, engine: _Optional[_Union[Engine, _Mapping]] = ...) -> None: ...
+
+class RegisterEngineResponse(_message.Message):
+    __slots__ = ("keepalive_interval_s", "engine_ttl_s", "last_eviction_seq", "live_lease_ids")
+    KEEPALIVE_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    LAST_EVICTION_SEQ_FIELD_NUMBER: _ClassVar[int]
+    LIVE_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    keepalive_interval_s: float
+    engine_ttl_s: float
+    last_eviction_seq: int
+    live_lease_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, keepalive_interval_s: _Optional[float] = ..., engine_ttl_s: _Optional[float] = ..., last_eviction_seq: _Optional[int] = ..., live_lease_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class KeepAliveRequest(_message.Message):
+    __slots__ = ("engine_id", "load")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    load: EngineLoad
+    def __init__(self, engine_id: _Optional[str] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ...) -> None: ...
+
+class KeepAliveResponse(_message.Message):
+    __slots__ = ("engine_ttl_s",)
+    ENGINE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    engine_ttl_s: float
+    def __init__(self, engine_ttl_s: _Optional[float] = ...) -> None: ...
+
+class DeregisterEngineRequest(_message.Message):
+    __slots__ = ("engine_id",)
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    def __init__(self, engine_id: _Optional[str] = ...) -> None: ...
+
+class DeregisterEngineResponse(_message.Message):
+    __slots__ = ("dropped_leases",)
+    DROPPED_LEASES_FIELD_NUMBER: _ClassVar[int]
+    dropped_leases: int
+    def __init__(self, dropped_leases: _Optional[int] = ...) -> None: ...
+
+class EvictionCommand(_message.Message):
+    __slots__ = ("seq", "engine_id", "lease_id", "block_ids", "reason", "live_lease_ids")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    LIVE_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    engine_id: str
+    lease_id: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    reason: EvictionReason
+    live_lease_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, seq: _Optional[int] = ..., engine_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., reason: _Optional[_Union[EvictionReason, str]] = ..., live_lease_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Lease(_message.Message):
+    __slots__ = ("lease_id", "engine_id", "session_id", "block_keys", "block_ids", "num_tokens", "ttl_s", "expires_at_unix", "last_used_unix", "pins", "pending_eviction")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    LAST_USED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    PINS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_EVICTION_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    engine_id: str
+    session_id: str
+    block_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: int
+    ttl_s: float
+    expires_at_unix: float
+    last_used_unix: float
+    pins: int
+    pending_eviction: EvictionReason
+    def __init__(self, lease_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., session_id: _Optional[str] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., ttl_s: _Optional[float] = ..., expires_at_unix: _Optional[float] = ..., last_used_unix: _Optional[float] = ..., pins: _Optional[int] = ..., pending_eviction: _Optional[_Union[EvictionReason, str]] = ...) -> None: ...
+
+class PublishLeaseRequest(_message.Message):
+    __slots__ = ("engine_id", "session_id", "block_keys", "block_ids", "num_tokens", "ttl_s")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    session_id: str
+    block_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: int
+    ttl_s: float
+    def __init__(self, engine_id: _Optional[str] = ..., session_id: _Optional[str] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class PublishLeaseResponse(_message.Message):
+    __slots__ = ("lease", "evictions")
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    lease: Lease
+    evictions: _containers.RepeatedCompositeFieldContainer[EvictionCommand]
+    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., evictions: _Optional[_Iterable[_Union[EvictionCommand, _Mapping]]] = ...) -> None: ...
+
+class RenewLeaseRequest(_message.Message):
+    __slots__ = ("lease_id", "ttl_s")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    ttl_s: float
+    def __init__(self, lease_id: _Optional[str] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class RenewLeaseResponse(_message.Message):
+    __slots__ = ("lease",)
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    lease: Lease
+    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
+
+class ReleaseLeaseRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseLeaseResponse(_message.Message):
+    __slots__ = ("deferred",)
+    DEFERRED_FIELD_NUMBER: _ClassVar[int]
+    deferred: bool
+    def __init__(self, deferred: _Optional[bool] = ...) -> None: ...
+
+class PinBlocksRequest(_message.Message):
+    __slots__ = ("reader_engine_id", "lease_id", "num_blocks", "timeout_s")
+    READER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    reader_engine_id: str
+    lease_id: str
+    num_blocks: int
+    timeout_s: float
+    def __init__(self, reader_engine_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class PinBlocksResponse(_message.Message):
+    __slots__ = ("pin_id", "block_ids", "expires_at_unix", "lease_expires_at_unix")
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_AT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    pin_id: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    expires_at_unix: float
+    lease_expires_at_unix: float
+    def __init__(self, pin_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., expires_at_unix: _Optional[float] = ..., lease_expires_at_unix: _Optional[float] = ...) -> None: ...
+
+class CompleteTransferRequest(_message.Message):
+    __slots__ = ("pin_id", "success", "bytes", "duration_s")
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    pin_id: str
+    success: bool
+    bytes: int
+    duration_s: float
+    def __init__(self, pin_id: _Optional[str] = ..., success: _Optional[bool] = ..., bytes: _Optional[int] = ..., duration_s: _Optional[float] = ...) -> None: ...
+
+class CompleteTransferResponse(_message.Message):
+    __slots__ = ("lease_expires_at_unix",)
+    LEASE_EXPIRES_AT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    lease_expires_at_unix: float
+    def __init__(self, lease_expires_at_unix: _Optional[float] = ...) -> None: ...
+
+class PlaceRequest(_message.Message):
+    __slots__ = ("session_id", "block_keys", "num_tokens", "layout_fingerprint", "block_size")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    block_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    num_tokens: int
+    layout_fingerprint: str
+    block_size: int
+    def __init__(self, session_id: _Optional[str] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class CostEstimate(_message.Message):
+    __slots__ = ("transfer_s", "recompute_s", "bandwidth_bytes_per_s", "prefill_tokens_per_s", "bytes_per_block", "measured")
+    TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_FIELD_NUMBER: _ClassVar[int]
+    transfer_s: float
+    recompute_s: float
+    bandwidth_bytes_per_s: float
+    prefill_tokens_per_s: float
+    bytes_per_block: int
+    measured: bool
+    def __init__(self, transfer_s: _Optional[float] = ..., recompute_s: _Optional[float] = ..., bandwidth_bytes_per_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., bytes_per_block: _Optional[int] = ..., measured: _Optional[bool] = ...) -> None: ...
+
+class Plan(_message.Message):
+    __slots__ = ("decision", "reason", "source_engine_id", "source_addresses", "source_lease_id", "source_block_ids", "matched_blocks", "matched_tokens", "recompute_tokens", "prompt_blocks", "threshold_tokens", "cost", "prefill_engine_id", "prefill_addresses", "decode_engine_id", "decode_addresses", "decode_sticky", "session_id", "candidates")
+    DECISION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STICKY_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    decision: Decision
+    reason: str
+    source_engine_id: str
+    source_addresses: EngineAddresses
+    source_lease_id: str
+    source_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    matched_blocks: int
+    matched_tokens: int
+    recompute_tokens: int
+    prompt_blocks: int
+    threshold_tokens: int
+    cost: CostEstimate
+    prefill_engine_id: str
+    prefill_addresses: EngineAddresses
+    decode_engine_id: str
+    decode_addresses: EngineAddresses
+    decode_sticky: bool
+    session_id: str
+    candidates: int
+    def __init__(self, decision: _Optional[_Union[Decision, str]] = ..., reason: _Optional[str] = ..., source_engine_id: _Optional[str] = ..., source_addresses: _Optional[_Union[EngineAddresses, _Mapping]] = ..., source_lease_id: _Optional[str] = ..., source_block_ids: _Optional[_Iterable[int]] = ..., matched_blocks: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., recompute_tokens: _Optional[int] = ..., prompt_blocks: _Optional[int] = ..., threshold_tokens: _Optional[int] = ..., cost: _Optional[_Union[CostEstimate, _Mapping]] = ..., prefill_engine_id: _Optional[str] = ..., prefill_addresses: _Optional[_Union[EngineAddresses, _Mapping]] = ..., decode_engine_id: _Optional[str] = ..., decode_addresses: _Optional[_Union[EngineAddresses, _Mapping]] = ..., decode_sticky: _Optional[bool] = ..., session_id: _Optional[str] = ..., candidates: _Optional[int] = ...) -> None: ...
+
+class WatchEvictionsRequest(_message.Message):
+    __slots__ = ("engine_id", "after_seq")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    after_seq: int
+    def __init__(self, engine_id: _Optional[str] = ..., after_seq: _Optional[int] = ...) -> None: ...
+
+class InspectRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EngineStatus(_message.Message):
+    __slots__ = ("engine", "load", "retained_blocks", "leases", "last_seen_unix", "last_eviction_seq")
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_UNIX_FIELD_NUMBER: _ClassVar[int]
+    LAST_EVICTION_SEQ_FIELD_NUMBER: _ClassVar[int]
+    engine: Engine
+    load: EngineLoad
+    retained_blocks: int
+    leases: int
+    last_seen_unix: float
+    last_eviction_seq: int
+    def __init__(self, engine: _Optional[_Union[Engine, _Mapping]] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., retained_blocks: _Optional[int] = ..., leases: _Optional[int] = ..., last_seen_unix: _Optional[float] = ..., last_eviction_seq: _Optional[int] = ...) -> None: ...
+
+class Pin(_message.Message):
+    __slots__ = ("pin_id", "lease_id", "reader_engine_id", "num_blocks", "expires_at_unix")
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    READER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    pin_id: str
+    lease_id: str
+    reader_engine_id: str
+    num_blocks: int
+    expires_at_unix: float
+    def __init__(self, pin_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., reader_engine_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., expires_at_unix: _Optional[float] = ...) -> None: ...
+
+class InspectResponse(_message.Message):
+    __slots__ = ("engines", "leases", "pins", "store", "replica_id", "leader", "now_unix")
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    PINS_FIELD_NUMBER: _ClassVar[int]
+    STORE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
+    NOW_UNIX_FIELD_NUMBER: _ClassVar[int]
+    engines: _containers.RepeatedCompositeFieldContainer[EngineStatus]
+    leases: _containers.RepeatedCompositeFieldContainer[Lease]
+    pins: _containers.RepeatedCompositeFieldContainer[Pin]
+    store: str
+    replica_id: str
+    leader: bool
+    now_unix: float
+    def __init__(self, engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ..., pins: _Optional[_Iterable[_Union[Pin, _Mapping]]] = ..., store: _Optional[str] = ..., replica_id: _Optional[str] = ..., leader: _Optional[bool] = ..., now_unix: _Optional[float] = ...) -> None: ...

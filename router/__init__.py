@@ -1,0 +1,1 @@
+"""The KV-aware OpenAI-compatible router (issue: router). Not built yet."""
