@@ -47,14 +47,18 @@ def layout_fingerprint(**fields: str | int | float | bool) -> str:
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:24]
 
 
+def _pack_tokens(tokens: Sequence[int]) -> bytes:
+    try:
+        return struct.pack(f"<{len(tokens)}I", *tokens)
+    except struct.error as exc:
+        raise ValueError(f"token ids must be integers in [0, {_MAX_TOKEN_ID}]: {exc}") from None
+
+
 def block_key(parent: bytes, tokens: Sequence[int], extra_digest: bytes) -> bytes:
     """sha256(version | parent | n | tokens as little-endian u32 | extra digest)."""
     if len(parent) != KEY_BYTES:
         raise ValueError(f"parent key must be {KEY_BYTES} bytes, got {len(parent)}")
-    try:
-        packed = struct.pack(f"<{len(tokens)}I", *tokens)
-    except struct.error as exc:
-        raise ValueError(f"token ids must be integers in [0, {_MAX_TOKEN_ID}]: {exc}") from None
+    packed = _pack_tokens(tokens)
     h = hashlib.sha256(KEY_VERSION)
     h.update(parent)
     h.update(struct.pack("<I", len(tokens)))
@@ -73,6 +77,9 @@ def block_keys(tokens: Sequence[int], block_size: int, extra: ExtraKeys) -> list
     for start in range(0, len(tokens) - block_size + 1, block_size):
         parent = block_key(parent, tokens[start : start + block_size], extra_digest)
         keys.append(parent)
+    # The trailing partial block gets no key, but its token ids must be valid all the same: whether
+    # an input is accepted must not depend on where its last full block ends.
+    _pack_tokens(tokens[len(keys) * block_size :])
     return keys
 
 

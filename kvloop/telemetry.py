@@ -46,16 +46,25 @@ def configure_logging(fmt: str = "auto", level: str = "info") -> None:
 
 def configure_tracing(
     service_name: str, *, console_spans: bool = False, extra: SpanProcessor | None = None
-) -> TracerProvider:
-    """Install a global TracerProvider for this process and return it (shut it down on exit)."""
-    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+) -> TracerProvider | None:
+    """Install a global TracerProvider for this process and return it (shut it down on exit).
+
+    With no exporter configured nothing is installed: spans stay OpenTelemetry's non-recording
+    no-ops, which cost a fraction of a recorded span on the broker's hot path. Sampling follows the
+    standard ``OTEL_TRACES_SAMPLER`` variables."""
+    processors: list[SpanProcessor] = []
     if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        processors.append(BatchSpanProcessor(OTLPSpanExporter()))
     if console_spans:
-        provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter(out=sys.stderr)))
+        processors.append(BatchSpanProcessor(ConsoleSpanExporter(out=sys.stderr)))
     if extra is not None:
-        provider.add_span_processor(extra)
+        processors.append(extra)
+    if not processors:
+        return None
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    for processor in processors:
+        provider.add_span_processor(processor)
     trace.set_tracer_provider(provider)
     return provider

@@ -3,7 +3,14 @@
 Pure code: it imports no gRPC, etcd or generated stubs, and takes the time as an argument.
 """
 
-from broker.core.eviction import POLICIES, CostAwarePolicy, EvictionPolicy, LruPolicy, choose_victims, make_policy
+from broker.core.eviction import (
+    POLICIES,
+    CostAwarePolicy,
+    EvictionPolicy,
+    LruPolicy,
+    choose_victims,
+    make_policy,
+)
 from broker.core.index import BlockIndex, Match
 from broker.core.model import (
     Addresses,
@@ -43,8 +50,8 @@ __all__ = [
     "Match",
     "Pin",
     "PlaceInput",
-    "Plan",
     "PlacementPolicy",
+    "Plan",
     "Role",
     "choose_victims",
     "make_policy",

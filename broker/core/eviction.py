@@ -9,14 +9,49 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 from broker.core.model import Lease
 
 
-def freed_blocks(lease: Lease, refcounts: Counter[int]) -> int:
+class Refcounts(Protocol):
+    def __getitem__(self, block: int) -> int: ...
+
+
+class RefView:
+    """One engine's block refcounts plus a small overlay of tentative changes, so a publication or an
+    eviction can be simulated without copying refcounts that may cover a million blocks."""
+
+    def __init__(self, base: Mapping[int, int], overlay: Counter[int] | None = None) -> None:
+        self._base = base
+        self._overlay: Counter[int] = overlay if overlay is not None else Counter()
+
+    def __getitem__(self, block: int) -> int:
+        return self._base.get(block, 0) + self._overlay.get(block, 0)
+
+    def hold(self, blocks: Iterable[int]) -> None:
+        for block in set(blocks):
+            self._overlay[block] += 1
+
+    def release(self, blocks: Iterable[int]) -> None:
+        for block in set(blocks):
+            self._overlay[block] -= 1
+
+    def copy(self) -> RefView:
+        return RefView(self._base, Counter(self._overlay))
+
+    def distinct(self) -> int:
+        """Blocks with a positive count; assumes the base holds only positive counts."""
+        n = len(self._base)
+        for block, delta in self._overlay.items():
+            base = self._base.get(block, 0)
+            n += int(base + delta > 0) - int(base > 0)
+        return n
+
+
+def freed_blocks(lease: Lease, refcounts: Refcounts) -> int:
     """How many blocks evicting ``lease`` alone would free, given the engine's block refcounts."""
     return sum(1 for b in set(lease.block_ids) if refcounts[b] == 1)
 
@@ -24,7 +59,7 @@ def freed_blocks(lease: Lease, refcounts: Counter[int]) -> int:
 class EvictionPolicy(Protocol):
     name: str
 
-    def rank(self, candidates: Iterable[Lease], refcounts: Counter[int], now: float) -> list[Lease]:
+    def rank(self, candidates: Iterable[Lease], refcounts: Refcounts, now: float) -> list[Lease]:
         """Candidates in eviction order, first evicted first."""
         ...
 
@@ -35,7 +70,7 @@ class LruPolicy:
 
     name: str = "lru"
 
-    def rank(self, candidates: Iterable[Lease], refcounts: Counter[int], now: float) -> list[Lease]:
+    def rank(self, candidates: Iterable[Lease], refcounts: Refcounts, now: float) -> list[Lease]:
         return sorted(candidates, key=lambda lease: (lease.last_used, lease.lease_id))
 
 
@@ -55,7 +90,7 @@ class CostAwarePolicy:
     """Extra recompute cost of a block per block of context before it (0 = linear prefill)."""
     name: str = "cost"
 
-    def value_per_freed_block(self, lease: Lease, refcounts: Counter[int], now: float) -> float:
+    def value_per_freed_block(self, lease: Lease, refcounts: Refcounts, now: float) -> float:
         seen: set[int] = set()
         work = 0.0
         freed = 0
@@ -71,7 +106,7 @@ class CostAwarePolicy:
         recency = 0.5 ** (age / self.recency_half_life_s)
         return work * recency / freed
 
-    def rank(self, candidates: Iterable[Lease], refcounts: Counter[int], now: float) -> list[Lease]:
+    def rank(self, candidates: Iterable[Lease], refcounts: Refcounts, now: float) -> list[Lease]:
         return sorted(
             candidates,
             key=lambda lease: (self.value_per_freed_block(lease, refcounts, now), lease.last_used, lease.lease_id),
@@ -90,7 +125,8 @@ def make_policy(name: str, recency_half_life_s: float = 120.0) -> EvictionPolicy
 
 
 def choose_victims(
-    policy: EvictionPolicy, candidates: Iterable[Lease], refcounts: Counter[int], need: int, now: float
+    policy: EvictionPolicy, candidates: Iterable[Lease], refcounts: Mapping[int, int] | RefView, need: int,
+    now: float,
 ) -> tuple[list[Lease], int]:
     """Victims in policy order until ``need`` blocks are freed; returns (victims, blocks freed).
 
@@ -99,7 +135,7 @@ def choose_victims(
     """
     if need <= 0:
         return [], 0
-    counts = Counter(refcounts)
+    counts = refcounts.copy() if isinstance(refcounts, RefView) else RefView(refcounts)
     victims: list[Lease] = []
     freed = 0
     remaining = policy.rank(candidates, refcounts, now)
@@ -117,10 +153,21 @@ def choose_victims(
             if gain == 0:
                 skipped.append(lease)
                 continue
-            for block in set(lease.block_ids):
-                counts[block] -= 1
+            counts.release(lease.block_ids)
             victims.append(lease)
             freed += gain
             progress = True
         remaining = skipped
+        if not progress and freed < need:
+            # Stuck: every remaining lease shares each of its blocks, but a block whose holders are all
+            # remaining candidates still frees once they all go. Take the first (in policy order) that
+            # holds such a block; its co-holders then free it in the next pass.
+            holders = Counter(b for lease in remaining for b in set(lease.block_ids))
+            for i, lease in enumerate(remaining):
+                if any(counts[b] == holders[b] for b in set(lease.block_ids)):
+                    counts.release(lease.block_ids)
+                    victims.append(lease)
+                    del remaining[i]
+                    progress = True
+                    break
     return victims, freed

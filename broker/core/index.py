@@ -1,8 +1,10 @@
 """Content index: which leases hold which block keys, and the longest prefix match.
 
-Block keys are chained hashes (a key fixes its whole prefix), so a lease that holds the query's key
-at position ``i`` also holds keys ``0..i``. The match still checks each position explicitly: an engine
-that published a malformed chain gets a shorter match, never a wrong one.
+Block keys are chained hashes (a key fixes its whole prefix), so the set of depths at which some lease
+holds the query's key is closed downwards, and the deepest one is found by binary search: O(log n)
+lookups instead of a walk over every block of a 100k-token prompt. The winners are then verified key
+by key, so a lease whose published chain is malformed yields a shorter match (by the exact linear walk),
+never a wrong one.
 """
 
 from __future__ import annotations
@@ -19,9 +21,14 @@ class Match:
     blocks: int
 
 
+def _always(_lease: Lease) -> bool:
+    return True
+
+
 class BlockIndex:
     def __init__(self) -> None:
         self._by_key: dict[bytes, set[str]] = {}
+        self._by_last_key: dict[bytes, set[str]] = {}
 
     def __len__(self) -> int:
         return len(self._by_key)
@@ -29,37 +36,78 @@ class BlockIndex:
     def add(self, lease: Lease) -> None:
         for key in lease.keys:
             self._by_key.setdefault(key, set()).add(lease.lease_id)
+        self._by_last_key.setdefault(lease.keys[-1], set()).add(lease.lease_id)
 
     def remove(self, lease: Lease) -> None:
         for key in lease.keys:
-            holders = self._by_key.get(key)
-            if holders is None:
-                continue
-            holders.discard(lease.lease_id)
-            if not holders:
-                del self._by_key[key]
+            _discard(self._by_key, key, lease.lease_id)
+        _discard(self._by_last_key, lease.keys[-1], lease.lease_id)
 
-    def matches(
-        self,
-        keys: Sequence[bytes],
-        leases: Mapping[str, Lease],
-        eligible: Callable[[Lease], bool] = lambda _lease: True,
-    ) -> list[Match]:
-        """Every eligible lease sharing at least the first block, with its matched block count."""
-        if not keys:
+    def _held(self, keys: Sequence[bytes], depth: int, leases: Mapping[str, Lease],
+              eligible: Callable[[Lease], bool]) -> bool:
+        """Does some eligible lease hold the query's key at position ``depth - 1``?"""
+        key = keys[depth - 1]
+        return any(True for lid in self._by_key.get(key, ())
+                   if len(leases[lid].keys) >= depth and leases[lid].keys[depth - 1] == key and eligible(leases[lid]))
+
+    def _holders(self, keys: Sequence[bytes], depth: int, leases: Mapping[str, Lease],
+                 eligible: Callable[[Lease], bool]) -> list[Lease]:
+        """Eligible leases holding the query's key at position ``depth - 1`` with the whole prefix."""
+        key = keys[depth - 1]
+        found = []
+        for lid in self._by_key.get(key, ()):
+            lease = leases[lid]
+            if len(lease.keys) >= depth and lease.keys[depth - 1] == key and eligible(lease):
+                found.append(lease)
+        prefix = tuple(keys[:depth])
+        return [lease for lease in found if lease.keys[:depth] == prefix]
+
+    def longest(self, keys: Sequence[bytes], leases: Mapping[str, Lease],
+                eligible: Callable[[Lease], bool] = _always) -> list[Match]:
+        """The eligible leases sharing the longest prefix with ``keys`` (all of them, same depth)."""
+        if not keys or not self._held(keys, 1, leases, eligible):
             return []
-        alive = {
-            lid
-            for lid in self._by_key.get(keys[0], ())
-            if leases[lid].keys[0] == keys[0] and eligible(leases[lid])
-        }
-        found: list[Match] = []
+        lo, hi = 1, len(keys)  # invariant: depth lo is held
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._held(keys, mid, leases, eligible):
+                lo = mid
+            else:
+                hi = mid - 1
+        winners = self._holders(keys, lo, leases, eligible)
+        if winners:
+            return [Match(lease, lo) for lease in winners]
+        return self._longest_linear(keys, leases, eligible)
+
+    def _longest_linear(self, keys: Sequence[bytes], leases: Mapping[str, Lease],
+                        eligible: Callable[[Lease], bool]) -> list[Match]:
+        """Exact walk, for malformed chains only: narrow the candidates block by block."""
+        alive = [leases[lid] for lid in self._by_key.get(keys[0], ())
+                 if leases[lid].keys[0] == keys[0] and eligible(leases[lid])]
         depth = 1
-        while alive and depth < len(keys):
-            key = keys[depth]
-            still = {lid for lid in alive if depth < len(leases[lid].keys) and leases[lid].keys[depth] == key}
-            found.extend(Match(leases[lid], depth) for lid in alive - still)
-            alive = still
-            depth += 1
-        found.extend(Match(leases[lid], depth) for lid in alive)
+        while depth < len(keys):
+            still = [x for x in alive if len(x.keys) > depth and x.keys[depth] == keys[depth]]
+            if not still:
+                break
+            alive, depth = still, depth + 1
+        return [Match(lease, depth) for lease in alive]
+
+    def prefixes_of(self, keys: Sequence[bytes], leases: Mapping[str, Lease],
+                    eligible: Callable[[Lease], bool] = _always) -> list[Lease]:
+        """Eligible leases whose whole key list is a prefix of ``keys`` (what a new lease supersedes)."""
+        found = []
+        for depth, key in enumerate(keys, start=1):
+            for lid in self._by_last_key.get(key, ()):
+                lease = leases[lid]
+                if len(lease.keys) == depth and lease.keys == tuple(keys[:depth]) and eligible(lease):
+                    found.append(lease)
         return found
+
+
+def _discard(index: dict[bytes, set[str]], key: bytes, lease_id: str) -> None:
+    holders = index.get(key)
+    if holders is None:
+        return
+    holders.discard(lease_id)
+    if not holders:
+        del index[key]

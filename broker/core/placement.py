@@ -9,7 +9,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from broker.core.index import Match
-from broker.core.model import CostEstimate, Decision, EngineInfo, EngineRecord, Plan
+from broker.core.model import CostEstimate, Decision, EngineRecord, Plan
 from kvloop.errors import FailedPrecondition
 
 

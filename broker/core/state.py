@@ -11,7 +11,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from broker.core.eviction import EvictionPolicy, choose_victims
+from broker.core.eviction import EvictionPolicy, RefView, choose_victims
 from broker.core.index import BlockIndex
 from broker.core.model import (
     EngineInfo,
@@ -95,7 +95,7 @@ class BrokerState:
         self._changes.leases[lease.lease_id] = lease
 
     def retained_blocks(self, engine_id: str) -> int:
-        return sum(1 for n in self._refs.get(engine_id, Counter()).values() if n > 0)
+        return len(self._refs.get(engine_id, ()))  # _remove_lease deletes blocks whose count reaches 0
 
     def engine_lease_ids(self, engine_id: str) -> list[str]:
         return sorted(self._engine_leases.get(engine_id, ()))
@@ -136,12 +136,15 @@ class BrokerState:
                                   field="engine.retention_budget_blocks")
         old = self.engines.get(info.engine_id)
         if old is not None and old.info.incarnation == info.incarnation:
-            if not old.info.same_layout(info) or old.info.role != info.role:
+            changed = ("engine.layout_fingerprint" if old.info.layout_fingerprint != info.layout_fingerprint
+                       else "engine.block_size" if old.info.block_size != info.block_size
+                       else "engine.role" if old.info.role != info.role else "")
+            if changed:
                 raise FailedPrecondition(
-                    f"engine.layout_fingerprint: engine {info.engine_id!r} is registered with role "
+                    f"{changed}: engine {info.engine_id!r} is registered with role "
                     f"{old.info.role.value}, fingerprint {old.info.layout_fingerprint!r} and block size "
                     f"{old.info.block_size}; a live incarnation cannot change them",
-                    field="engine.layout_fingerprint",
+                    field=changed,
                 )
             old.info = info  # a reconnect: addresses or budget may have changed
             old.last_seen = now
@@ -252,22 +255,20 @@ class BrokerState:
             )
 
         # Leases on this engine that the new one extends (same content, a prefix of it) are redundant.
-        superseded = [
-            m.lease for m in self._index.matches(keys, self.leases, lambda lease: lease.engine_id == engine_id)
-            if m.blocks == len(m.lease.keys) and m.lease.pending is None
-        ]
-        refs = Counter(self._refs[engine_id])
+        superseded = self._index.prefixes_of(
+            keys, self.leases, lambda lease: lease.engine_id == engine_id and lease.pending is None)
+        view = RefView(self._refs[engine_id])
         for old in superseded:
             if not old.pinned:
-                refs.subtract(set(old.block_ids))
-        refs.update(set(block_ids))
-        need = sum(1 for n in refs.values() if n > 0) - budget
+                view.release(old.block_ids)
+        view.hold(block_ids)
+        need = view.distinct() - budget
         gone = {old.lease_id for old in superseded}
         candidates = [
             self.leases[lid] for lid in self._engine_leases[engine_id]
             if lid not in gone and not self.leases[lid].pinned and self.leases[lid].pending is None
-        ]
-        victims, freed = choose_victims(self.eviction_policy, candidates, +refs, need, now)
+        ] if need > 0 else []
+        victims, freed = choose_victims(self.eviction_policy, candidates, view, need, now)
         if freed < need:
             raise ResourceExhausted(
                 f"block_ids: engine {engine_id!r}'s retention budget of {budget} blocks is held by pinned "
@@ -406,7 +407,8 @@ class BrokerState:
         if pin is None:
             raise NotFound(f"pin_id: pin {pin_id!r} does not exist (completed or timed out)", field="pin_id")
         if nbytes < 0 or duration_s < 0:
-            raise InvalidArgument("bytes/duration_s: must not be negative", field="duration_s")
+            name = "bytes" if nbytes < 0 else "duration_s"
+            raise InvalidArgument(f"{name}: must not be negative", field=name)
         lease = self.leases.get(pin.lease_id)
         if success and lease is not None:
             source = self.engines[lease.engine_id]
@@ -457,7 +459,12 @@ class BrokerState:
                 f"num_tokens: {request.num_tokens} tokens cannot hold {len(request.keys)} full blocks",
                 field="num_tokens",
             )
-        matches = self._index.matches(request.keys, self.leases) if request.keys else []
+        def eligible(lease: Lease) -> bool:
+            rec = self.engines.get(lease.engine_id)
+            return (rec is not None and lease.pending is None and rec.info.block_size == request.block_size
+                    and rec.info.layout_fingerprint == request.layout_fingerprint)
+
+        matches = self._index.longest(request.keys, self.leases, eligible) if request.keys else []
         session_engine = ""
         held = self._session_leases.get(request.session_id) if request.session_id else None
         if held:

@@ -79,6 +79,11 @@ class KVBrokerStub:
                 request_serializer=kvloop_dot_v1_dot_broker__pb2.PlaceRequest.SerializeToString,
                 response_deserializer=kvloop_dot_v1_dot_broker__pb2.Plan.FromString,
                 _registered_method=True)
+        self.PlaceStream = channel.stream_stream(
+                '/kvloop.v1.KVBroker/PlaceStream',
+                request_serializer=kvloop_dot_v1_dot_broker__pb2.PlaceRequest.SerializeToString,
+                response_deserializer=kvloop_dot_v1_dot_broker__pb2.Plan.FromString,
+                _registered_method=True)
         self.WatchEvictions = channel.unary_stream(
                 '/kvloop.v1.KVBroker/WatchEvictions',
                 request_serializer=kvloop_dot_v1_dot_broker__pb2.WatchEvictionsRequest.SerializeToString,
@@ -148,6 +153,15 @@ class KVBrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PlaceStream(self, request_iterator, context):
+        """The same as Place over one long-lived stream: one Plan per PlaceRequest, in order. A router
+        that places every turn keeps one open and saves the per-call cost of unary RPCs. A request the
+        broker refuses gets a Plan with DECISION_UNSPECIFIED and `error` set; the stream goes on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def WatchEvictions(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -205,6 +219,11 @@ def add_KVBrokerServicer_to_server(servicer, server):
             ),
             'Place': grpc.unary_unary_rpc_method_handler(
                     servicer.Place,
+                    request_deserializer=kvloop_dot_v1_dot_broker__pb2.PlaceRequest.FromString,
+                    response_serializer=kvloop_dot_v1_dot_broker__pb2.Plan.SerializeToString,
+            ),
+            'PlaceStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.PlaceStream,
                     request_deserializer=kvloop_dot_v1_dot_broker__pb2.PlaceRequest.FromString,
                     response_serializer=kvloop_dot_v1_dot_broker__pb2.Plan.SerializeToString,
             ),
@@ -460,6 +479,33 @@ class KVBroker:
             request,
             target,
             '/kvloop.v1.KVBroker/Place',
+            kvloop_dot_v1_dot_broker__pb2.PlaceRequest.SerializeToString,
+            kvloop_dot_v1_dot_broker__pb2.Plan.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PlaceStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvloop.v1.KVBroker/PlaceStream',
             kvloop_dot_v1_dot_broker__pb2.PlaceRequest.SerializeToString,
             kvloop_dot_v1_dot_broker__pb2.Plan.FromString,
             options,

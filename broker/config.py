@@ -1,0 +1,108 @@
+"""The broker's one typed config. Every field is a flag (``--default-ttl-s``) with an env twin
+(``KVLOOP_BROKER_DEFAULT_TTL_S``) and a YAML key (``default_ttl_s``)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from broker.core import POLICIES, Limits, PlacementPolicy
+from kvloop.config import ServiceConfig, parse_host_port, setting
+from kvloop.telemetry import LOG_FORMATS, LOG_LEVELS
+
+
+@dataclass(frozen=True)
+class BrokerConfig(ServiceConfig):
+    ENV_PREFIX = "KVLOOP_BROKER_"
+
+    listen: str = setting("127.0.0.1:50051", "gRPC listen address host:port (port 0 picks a free one)")
+    advertise: str = setting("", "address other services use to reach this replica (default: listen)")
+    metrics_listen: str = setting("127.0.0.1:9460", "Prometheus /metrics address host:port ('' = off)")
+    port_file: Path | None = setting(None, "write the bound gRPC port here once serving (for tests, port 0)")
+    store: str = setting("memory", "where state survives: memory (embedded) or etcd", choices=("memory", "etcd"))
+    etcd_endpoint: str = setting("127.0.0.1:2379", "etcd client endpoint host:port (store=etcd)")
+    etcd_prefix: str = setting("/kvloop/", "etcd key prefix; one per broker cluster")
+    replica_id: str = setting("", "this replica's id in leader election (default: host-pid)")
+    leader_ttl_s: int = setting(5, "leader lease TTL in seconds; failover takes up to this long")
+    default_ttl_s: float = setting(480.0, "retention TTL of a lease published without one (upstream's 480 s)")
+    min_ttl_s: float = setting(1.0, "smallest retention TTL accepted")
+    max_ttl_s: float = setting(86400.0, "largest retention TTL accepted")
+    default_pin_timeout_s: float = setting(10.0, "pin timeout when a reader gives none")
+    max_pin_timeout_s: float = setting(120.0, "largest pin timeout accepted")
+    engine_ttl_s: float = setting(10.0, "an engine silent this long is dropped with its leases")
+    keepalive_interval_s: float = setting(3.0, "keep-alive period the broker asks engines for")
+    max_block_keys: int = setting(8192, "most block keys in one request (8192 x 128 tokens = 1M tokens)")
+    max_message_bytes: int = setting(4 * 1024 * 1024, "largest gRPC message accepted, in bytes")
+    max_id_len: int = setting(256, "longest engine, session, lease or pin id accepted")
+    eviction_log_size: int = setting(4096, "eviction commands kept per engine for replay on reconnect")
+    eviction_policy: str = setting("cost", "victim choice: cost (cheapest to recompute per block) or lru",
+                                   choices=POLICIES)
+    recency_half_life_s: float = setting(120.0, "cost policy: a lease's value halves every this many idle seconds")
+    threshold_tokens: int = setting(64, "recompute below this many matched tokens (upstream's default)")
+    default_bandwidth_bytes_per_s: float = setting(1e9, "NIXL bandwidth assumed until engines report one")
+    default_prefill_tokens_per_s: float = setting(5000.0, "prefill throughput assumed until engines report one")
+    default_bytes_per_block: int = setting(262144, "KV bytes per block assumed until engines report it")
+    transfer_overhead_s: float = setting(0.005, "fixed cost of one pull (handshake, notifications, extra step)")
+    sticky_load_gap: float = setting(4.0, "keep a session's decode engine unless it has this many more requests")
+    tick_interval_s: float = setting(0.25, "how often leases, pins and engines are checked for expiry")
+    shutdown_grace_s: float = setting(5.0, "on SIGTERM, how long in-flight RPCs may finish")
+    log_format: str = setting("auto", "log format: json, console, or auto (console on a TTY)", choices=LOG_FORMATS)
+    log_level: str = setting("info", "log level", choices=LOG_LEVELS)
+    console_spans: bool = setting(False, "print OpenTelemetry spans to stderr (OTLP uses OTEL_* variables)")
+
+    def validate(self) -> None:
+        parse_host_port(self.listen, "listen")
+        if self.advertise:
+            parse_host_port(self.advertise, "advertise")
+        if self.metrics_listen:
+            parse_host_port(self.metrics_listen, "metrics_listen")
+        if self.store == "etcd":
+            parse_host_port(self.etcd_endpoint, "etcd_endpoint")
+        self._require(self.etcd_prefix.startswith("/") and self.etcd_prefix.endswith("/"), "etcd_prefix",
+                      "must start and end with '/'")
+        self._require(self.leader_ttl_s >= 2, "leader_ttl_s", "must be at least 2 seconds")
+        for name in ("default_ttl_s", "min_ttl_s", "max_ttl_s", "default_pin_timeout_s", "max_pin_timeout_s",
+                     "engine_ttl_s", "keepalive_interval_s", "recency_half_life_s", "tick_interval_s",
+                     "default_bandwidth_bytes_per_s", "default_prefill_tokens_per_s"):
+            self._require(getattr(self, name) > 0, name, "must be positive")
+        self._require(self.min_ttl_s <= self.max_ttl_s, "max_ttl_s", "must be at least min_ttl_s")
+        self._require(self.min_ttl_s <= self.default_ttl_s <= self.max_ttl_s, "default_ttl_s",
+                      "must lie within min_ttl_s..max_ttl_s")
+        self._require(self.default_pin_timeout_s <= self.max_pin_timeout_s, "default_pin_timeout_s",
+                      "must not exceed max_pin_timeout_s")
+        self._require(self.keepalive_interval_s < self.engine_ttl_s, "keepalive_interval_s",
+                      "must be shorter than engine_ttl_s")
+        for name in ("max_block_keys", "max_message_bytes", "max_id_len", "eviction_log_size",
+                     "default_bytes_per_block"):
+            self._require(getattr(self, name) > 0, name, "must be positive")
+        self._require(self.max_message_bytes >= 64 * 1024, "max_message_bytes", "must be at least 65536")
+        for name in ("threshold_tokens", "transfer_overhead_s", "sticky_load_gap", "shutdown_grace_s"):
+            self._require(getattr(self, name) >= 0, name, "must not be negative")
+
+    @property
+    def advertised(self) -> str:
+        return self.advertise or self.listen
+
+    @property
+    def replica(self) -> str:
+        return self.replica_id or f"{socket.gethostname()}-{os.getpid()}"
+
+    def limits(self) -> Limits:
+        return Limits(
+            max_block_keys=self.max_block_keys, min_ttl_s=self.min_ttl_s, max_ttl_s=self.max_ttl_s,
+            default_ttl_s=self.default_ttl_s, default_pin_timeout_s=self.default_pin_timeout_s,
+            max_pin_timeout_s=self.max_pin_timeout_s, engine_ttl_s=self.engine_ttl_s, max_id_len=self.max_id_len,
+            eviction_log_size=self.eviction_log_size,
+        )
+
+    def placement(self) -> PlacementPolicy:
+        return PlacementPolicy(
+            threshold_tokens=self.threshold_tokens,
+            default_bandwidth_bytes_per_s=self.default_bandwidth_bytes_per_s,
+            default_prefill_tokens_per_s=self.default_prefill_tokens_per_s,
+            default_bytes_per_block=self.default_bytes_per_block,
+            transfer_overhead_s=self.transfer_overhead_s,
+            sticky_load_gap=self.sticky_load_gap,
+        )

@@ -1,0 +1,229 @@
+"""The ``kvloop.v1.KVBroker`` gRPC service: validate, call the runtime, map errors to status codes.
+
+Every RPC gets one OpenTelemetry span (parented by an incoming ``traceparent``), a latency sample and,
+when refused, an error count by status code. Placement spans carry the whole decision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+import structlog
+from opentelemetry import propagate, trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from broker import convert
+from broker.core import BrokerState, PlaceInput, Plan
+from broker.runtime import BrokerRuntime
+from kvloop.errors import KvloopError
+from kvloop.v1 import broker_pb2 as pb
+from kvloop.v1 import broker_pb2_grpc
+
+log = structlog.get_logger("kvloop.broker.rpc")
+tracer = trace.get_tracer("kvloop.broker")
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+Handler = Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]
+
+_CODES = {
+    "INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
+    "NOT_FOUND": grpc.StatusCode.NOT_FOUND,
+    "FAILED_PRECONDITION": grpc.StatusCode.FAILED_PRECONDITION,
+    "RESOURCE_EXHAUSTED": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "ALREADY_EXISTS": grpc.StatusCode.ALREADY_EXISTS,
+    "UNAVAILABLE": grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def _remote_context(context: grpc.aio.ServicerContext) -> Any:
+    carrier = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+    return propagate.extract(carrier)
+
+
+def rpc(method: str) -> Callable[[Handler[Req, Resp]], Handler[Req, Resp]]:
+    def wrap(fn: Handler[Req, Resp]) -> Handler[Req, Resp]:
+        @functools.wraps(fn)
+        async def handler(self: BrokerService, request: Req, context: grpc.aio.ServicerContext) -> Resp:
+            start = time.perf_counter()
+            with tracer.start_as_current_span(f"kvloop.v1.KVBroker/{method}", kind=SpanKind.SERVER,
+                                              context=_remote_context(context)) as span:
+                try:
+                    return await fn(self, request, context)
+                except KvloopError as exc:
+                    code = _CODES[exc.status.value]
+                    self.runtime.metrics.rpc_errors.labels(method=method, code=code.name).inc()
+                    span.set_status(Status(StatusCode.ERROR, exc.message))
+                    span.set_attribute("rpc.grpc.status_code", code.value[0])
+                    log.info("rpc.refused", method=method, code=code.name, error=exc.message)
+                    await context.abort(code, exc.message)
+                    raise  # unreachable: abort raises
+                finally:
+                    self.runtime.metrics.rpc_latency.labels(method=method).observe(time.perf_counter() - start)
+
+        return handler
+
+    return wrap
+
+
+def _plan_attributes(plan: Plan) -> dict[str, Any]:
+    return {
+        "kvloop.session_id": plan.session_id,
+        "kvloop.decision": plan.decision.value,
+        "kvloop.reason": plan.reason,
+        "kvloop.matched_blocks": plan.matched_blocks,
+        "kvloop.matched_tokens": plan.matched_tokens,
+        "kvloop.recompute_tokens": plan.recompute_tokens,
+        "kvloop.prompt_blocks": plan.prompt_blocks,
+        "kvloop.threshold_tokens": plan.threshold_tokens,
+        "kvloop.source_engine": plan.source.engine_id if plan.source else "",
+        "kvloop.source_lease": plan.source_lease_id,
+        "kvloop.prefill_engine": plan.prefill.engine_id,
+        "kvloop.decode_engine": plan.decode.engine_id,
+        "kvloop.decode_sticky": plan.decode_sticky,
+        "kvloop.candidates": plan.candidates,
+        "kvloop.cost.transfer_s": plan.cost.transfer_s,
+        "kvloop.cost.recompute_s": plan.cost.recompute_s,
+        "kvloop.cost.measured": plan.cost.measured,
+    }
+
+
+class BrokerService(broker_pb2_grpc.KVBrokerServicer):
+    def __init__(self, runtime: BrokerRuntime) -> None:
+        self.runtime = runtime
+
+    @rpc("RegisterEngine")
+    async def RegisterEngine(self, request: pb.RegisterEngineRequest, context: Any) -> pb.RegisterEngineResponse:
+        info = convert.engine_from_pb(request.engine)
+        rec, live = await self.runtime.mutate(lambda s, now: s.register(info, now))
+        log.info("engine.registered", engine=info.engine_id, role=info.role.value, live_leases=len(live))
+        cfg = self.runtime.config
+        return pb.RegisterEngineResponse(keepalive_interval_s=cfg.keepalive_interval_s, engine_ttl_s=cfg.engine_ttl_s,
+                                         last_eviction_seq=rec.eviction_seq, live_lease_ids=live)
+
+    @rpc("KeepAlive")
+    async def KeepAlive(self, request: pb.KeepAliveRequest, context: Any) -> pb.KeepAliveResponse:
+        load = convert.load_from_pb(request.load)
+        await self.runtime.mutate(lambda s, now: s.keepalive(request.engine_id, load, now))
+        return pb.KeepAliveResponse(engine_ttl_s=self.runtime.config.engine_ttl_s)
+
+    @rpc("DeregisterEngine")
+    async def DeregisterEngine(self, request: pb.DeregisterEngineRequest, context: Any
+                               ) -> pb.DeregisterEngineResponse:
+        dropped = await self.runtime.mutate(lambda s, now: s.deregister(request.engine_id))
+        log.info("engine.deregistered", engine=request.engine_id, dropped_leases=dropped)
+        return pb.DeregisterEngineResponse(dropped_leases=dropped)
+
+    @rpc("PublishLease")
+    async def PublishLease(self, request: pb.PublishLeaseRequest, context: Any) -> pb.PublishLeaseResponse:
+        keys, block_ids = list(request.block_keys), list(request.block_ids)
+        lease, commands = await self.runtime.mutate(
+            lambda s, now: s.publish(request.engine_id, request.session_id, keys, block_ids,
+                                     request.num_tokens, request.ttl_s, now))
+        trace.get_current_span().set_attributes({"kvloop.lease_id": lease.lease_id, "kvloop.blocks": len(keys),
+                                                 "kvloop.evictions": len(commands)})
+        return pb.PublishLeaseResponse(lease=convert.lease_to_pb(lease),
+                                       evictions=[convert.command_to_pb(c) for c in commands])
+
+    @rpc("RenewLease")
+    async def RenewLease(self, request: pb.RenewLeaseRequest, context: Any) -> pb.RenewLeaseResponse:
+        lease = await self.runtime.mutate(lambda s, now: s.renew(request.lease_id, request.ttl_s, now))
+        return pb.RenewLeaseResponse(lease=convert.lease_to_pb(lease))
+
+    @rpc("ReleaseLease")
+    async def ReleaseLease(self, request: pb.ReleaseLeaseRequest, context: Any) -> pb.ReleaseLeaseResponse:
+        deferred = await self.runtime.mutate(lambda s, now: s.release(request.lease_id, now))
+        return pb.ReleaseLeaseResponse(deferred=deferred)
+
+    @rpc("PinBlocks")
+    async def PinBlocks(self, request: pb.PinBlocksRequest, context: Any) -> pb.PinBlocksResponse:
+        def pin(s: BrokerState, now: float) -> pb.PinBlocksResponse:
+            p = s.pin(request.reader_engine_id, request.lease_id, request.num_blocks, request.timeout_s, now)
+            lease = s.leases[p.lease_id]
+            return pb.PinBlocksResponse(pin_id=p.pin_id, block_ids=list(lease.block_ids[: p.num_blocks]),
+                                        expires_at_unix=p.expires_at, lease_expires_at_unix=lease.expires_at)
+
+        return await self.runtime.mutate(pin)
+
+    @rpc("CompleteTransfer")
+    async def CompleteTransfer(self, request: pb.CompleteTransferRequest, context: Any
+                               ) -> pb.CompleteTransferResponse:
+        lease = await self.runtime.mutate(
+            lambda s, now: s.complete(request.pin_id, request.success, request.bytes, request.duration_s, now))
+        return pb.CompleteTransferResponse(lease_expires_at_unix=lease.expires_at if lease else 0.0)
+
+    def _place(self, request: pb.PlaceRequest) -> pb.Plan:
+        start = time.perf_counter()
+        place_input = PlaceInput(keys=list(request.block_keys), num_tokens=request.num_tokens,
+                                 layout_fingerprint=request.layout_fingerprint, block_size=request.block_size,
+                                 session_id=request.session_id)
+        plan = self.runtime.read(lambda s, now: s.place(place_input, now))
+        metrics = self.runtime.metrics
+        metrics.placement_latency.observe(time.perf_counter() - start)
+        metrics.placements.labels(decision=plan.decision.value, reason=plan.reason).inc()
+        trace.get_current_span().set_attributes(_plan_attributes(plan))
+        return convert.plan_to_pb(plan)
+
+    @rpc("Place")
+    async def Place(self, request: pb.PlaceRequest, context: Any) -> pb.Plan:
+        return self._place(request)
+
+    async def PlaceStream(self, requests: AsyncIterator[pb.PlaceRequest], context: grpc.aio.ServicerContext
+                          ) -> AsyncIterator[pb.Plan]:
+        """One Plan per request, in order; a refused request gets a Plan carrying ``error``."""
+        async for request in requests:
+            with tracer.start_as_current_span("kvloop.v1.KVBroker/PlaceStream", kind=SpanKind.SERVER) as span:
+                try:
+                    plan = self._place(request)
+                except KvloopError as exc:
+                    self.runtime.metrics.rpc_errors.labels(method="PlaceStream", code=exc.status.value).inc()
+                    span.set_status(Status(StatusCode.ERROR, exc.message))
+                    plan = pb.Plan(error=f"{exc.status.value}: {exc.message}")
+            yield plan
+
+    @rpc("Inspect")
+    async def Inspect(self, request: pb.InspectRequest, context: Any) -> pb.InspectResponse:
+        runtime = self.runtime
+        base = pb.InspectResponse(store=runtime.store.kind, replica_id=runtime.config.replica,
+                                  leader=runtime.is_leader, now_unix=runtime.clock())
+        if runtime.state is None:
+            return base
+
+        def inspect(s: BrokerState, now: float) -> pb.InspectResponse:
+            base.engines.extend(
+                convert.engine_status_to_pb(rec, s.retained_blocks(eid), len(s.engine_lease_ids(eid)))
+                for eid, rec in sorted(s.engines.items()))
+            base.leases.extend(convert.lease_to_pb(x) for x in sorted(s.leases.values(), key=lambda x: x.created_at))
+            base.pins.extend(convert.pin_to_pb(p) for p in s.pins.values())
+            return base
+
+        return runtime.read(inspect)
+
+    async def WatchEvictions(self, request: pb.WatchEvictionsRequest, context: grpc.aio.ServicerContext
+                             ) -> AsyncIterator[pb.EvictionCommand]:
+        """Replay commands after ``after_seq`` (or a RESYNC), then stream new ones as they are issued."""
+        engine_id, cursor = request.engine_id, request.after_seq
+        event = self.runtime.subscribe(engine_id)
+        try:
+            while True:
+                event.clear()
+                try:
+                    commands = self.runtime.read(lambda s, now, after=cursor: s.commands_after(engine_id, after))
+                except KvloopError as exc:
+                    code = _CODES[exc.status.value]
+                    self.runtime.metrics.rpc_errors.labels(method="WatchEvictions", code=code.name).inc()
+                    await context.abort(code, exc.message)
+                for cmd in commands:
+                    yield convert.command_to_pb(cmd)
+                    cursor = cmd.seq
+                # Re-check now and then even without a wake-up: an engine dropped by expiry ends its stream.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(event.wait(), timeout=5.0)
+        finally:
+            self.runtime.unsubscribe(engine_id, event)

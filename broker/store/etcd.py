@@ -1,0 +1,215 @@
+"""The etcd store and leader election (etcd v3 through the asyncio client ``aetcd``).
+
+Layout under ``prefix`` (default ``/kvloop/``): ``leader`` (the leader's id and address, on a short
+etcd lease), ``engines/<id>``, ``leases/<id>``, ``pins/<id>`` (JSON).
+
+TTLs ride on etcd leases: each record is attached to an etcd lease that ends a grace period after the
+record's own deadline (a kvloop lease's expiry, or its last pin's; an engine's keep-alive deadline), so
+etcd drops what no broker is left to expire, and a broker that restarts finds everything still due.
+Records are bucketed by deadline (``bucket_s``) so a few etcd leases serve many records.
+
+Every write is a transaction guarded by ``leader == <this replica>``: a replica that lost leadership
+without noticing cannot overwrite its successor's state (fencing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aetcd
+import structlog
+
+from broker.core import Changes, Lease
+from broker.store import codec
+from broker.store.base import Snapshot
+from kvloop.errors import Unavailable
+
+log = structlog.get_logger("kvloop.broker.etcd")
+
+
+def connect(endpoint: str, timeout_s: float = 5.0) -> aetcd.Client:
+    host, _, port = endpoint.rpartition(":")
+    return aetcd.Client(host=host or "127.0.0.1", port=int(port), timeout=timeout_s)
+
+
+class EtcdStore:
+    kind = "etcd"
+
+    def __init__(
+        self, client: aetcd.Client, prefix: str, replica_id: str, *, grace_s: float = 30.0, bucket_s: float = 5.0,
+        engine_ttl_s: float = 10.0,
+    ) -> None:
+        self._client = client
+        self._prefix = prefix.encode()
+        self._leader_key = self._prefix + b"leader"
+        self._replica_id = replica_id
+        self._grace_s = grace_s
+        self._bucket_s = bucket_s
+        self._engine_ttl_s = engine_ttl_s
+        self._buckets: dict[int, int] = {}
+        self._leader_value = b""  # set by the election; every write is fenced on it
+
+    def _key(self, kind: str, ident: str) -> bytes:
+        return self._prefix + kind.encode() + b"/" + ident.encode()
+
+    async def load(self) -> Snapshot:
+        snap = Snapshot()
+        try:
+            for kind, decode, out in (
+                ("engines", codec.decode_engine, snap.engines),
+                ("leases", codec.decode_lease, snap.leases),
+                ("pins", codec.decode_pin, snap.pins),
+            ):
+                for value, _meta in await self._client.get_prefix(self._prefix + kind.encode() + b"/"):
+                    out.append(decode(value))  # type: ignore[attr-defined]
+        except aetcd.exceptions.ClientError as exc:
+            raise Unavailable(f"etcd: cannot load broker state: {exc}") from exc
+        return snap
+
+    async def _etcd_lease(self, deadline: float, now: float) -> int:
+        bucket = math.ceil(deadline / self._bucket_s)
+        lease_id = self._buckets.get(bucket)
+        if lease_id is None:
+            ttl = max(1, math.ceil(bucket * self._bucket_s + self._grace_s - now))
+            lease_id = (await self._client.lease(ttl)).id
+            self._buckets = {b: i for b, i in self._buckets.items() if b * self._bucket_s + self._grace_s > now}
+            self._buckets[bucket] = lease_id
+        return lease_id
+
+    async def apply(self, changes: Changes, hold_until: Callable[[Lease], float], now: float) -> None:
+        tx = self._client.transactions
+        ops: list[Any] = []
+        try:
+            for engine_id, rec in changes.engines.items():
+                key = self._key("engines", engine_id)
+                if rec is None:
+                    ops.append(tx.delete(key))
+                else:
+                    lease = await self._etcd_lease(rec.last_seen + self._engine_ttl_s, now)
+                    ops.append(tx.put(key, codec.encode_engine(rec), lease=lease))
+            for lease_id, lease_rec in changes.leases.items():
+                key = self._key("leases", lease_id)
+                if lease_rec is None:
+                    ops.append(tx.delete(key))
+                else:
+                    lease = await self._etcd_lease(hold_until(lease_rec), now)
+                    ops.append(tx.put(key, codec.encode_lease(lease_rec), lease=lease))
+            for pin_id, pin in changes.pins.items():
+                key = self._key("pins", pin_id)
+                if pin is None:
+                    ops.append(tx.delete(key))
+                else:
+                    lease = await self._etcd_lease(pin.expires_at, now)
+                    ops.append(tx.put(key, codec.encode_pin(pin), lease=lease))
+            if not ops:
+                return
+            guard = [tx.value(self._leader_key) == self._leader_value]
+            # etcd caps operations per transaction (128 by default): split big batches, each guarded.
+            for start in range(0, len(ops), 100):
+                ok, _ = await self._client.transaction(compare=guard, success=ops[start : start + 100], failure=[])
+                if not ok:
+                    raise Unavailable("etcd: this broker replica is no longer the leader")
+        except aetcd.exceptions.ClientError as exc:
+            raise Unavailable(f"etcd: write failed: {exc}") from exc
+
+    def set_leader_value(self, value: bytes) -> None:
+        """The value of the leader key while this replica leads (fencing token)."""
+        self._leader_value = value
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self._client.close()
+
+
+class EtcdElection:
+    """Campaign for ``<prefix>leader`` with create-if-absent on a short etcd lease; keep it alive while
+    leading; on losing it (lease lapsed, etcd unreachable too long) call ``on_deposed`` and campaign again."""
+
+    def __init__(
+        self, client: aetcd.Client, store: EtcdStore, prefix: str, replica_id: str, address: str,
+        *, ttl_s: int = 5,
+    ) -> None:
+        self._client = client
+        self._store = store
+        self._key = prefix.encode() + b"leader"
+        self._value = json.dumps({"replica_id": replica_id, "address": address}).encode()
+        self._ttl_s = ttl_s
+        self._lease: Any = None
+        self._leader_address = ""
+        self._stop = asyncio.Event()
+        store.set_leader_value(self._value)
+
+    def leader(self) -> str:
+        return self._leader_address
+
+    async def _campaign(self) -> bool:
+        tx = self._client.transactions
+        lease = await self._client.lease(self._ttl_s)
+        ok, responses = await self._client.transaction(
+            compare=[tx.create(self._key) == 0],
+            success=[tx.put(self._key, self._value, lease=lease)],
+            failure=[tx.get(self._key)],
+        )
+        if ok:
+            self._lease = lease
+            return True
+        with contextlib.suppress(Exception):
+            await lease.revoke()
+        current = responses[0][0][0] if responses and responses[0] else b""
+        with contextlib.suppress(ValueError):
+            self._leader_address = json.loads(current).get("address", "")
+        return False
+
+    async def _wait(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), seconds)
+
+    async def run(
+        self, on_elected: Callable[[], Awaitable[None]], on_deposed: Callable[[], Awaitable[None]]
+    ) -> None:
+        interval = self._ttl_s / 3
+        while not self._stop.is_set():
+            try:
+                elected = await self._campaign()
+            except aetcd.exceptions.ClientError as exc:
+                log.warning("election.campaign_failed", error=str(exc))
+                await self._wait(interval)
+                continue
+            if not elected:
+                await self._wait(interval)
+                continue
+            self._leader_address = json.loads(self._value)["address"]
+            log.info("election.elected")
+            await on_elected()
+            await self._hold(interval)
+            await on_deposed()
+            log.warning("election.deposed")
+
+    async def _hold(self, interval: float) -> None:
+        """Refresh the leader lease until it lapses or we resign."""
+        last_ok = asyncio.get_running_loop().time()
+        while not self._stop.is_set():
+            await self._wait(interval)
+            if self._stop.is_set():
+                return
+            try:
+                reply = await self._client.refresh_lease(self._lease.id)
+                if reply is None or reply.TTL <= 0:
+                    return  # the lease is gone: someone else may lead now
+                last_ok = asyncio.get_running_loop().time()
+            except aetcd.exceptions.ClientError as exc:
+                log.warning("election.refresh_failed", error=str(exc))
+                if asyncio.get_running_loop().time() - last_ok >= self._ttl_s:
+                    return
+
+    async def resign(self) -> None:
+        self._stop.set()
+        if self._lease is not None:
+            with contextlib.suppress(Exception):
+                await self._lease.revoke()
+            self._lease = None

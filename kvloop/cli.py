@@ -1,0 +1,174 @@
+"""The ``kvloop`` command: ``kvloop broker serve|status``, ``kvloop up``, ``kvloop bench broker``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from typing import Any
+
+from kvloop.errors import ConfigError
+
+
+def _broker_serve(args: argparse.Namespace) -> int:
+    from broker.config import BrokerConfig
+    from broker.server import serve
+    from kvloop.telemetry import configure_logging, configure_tracing
+
+    config = BrokerConfig.load(args)
+    configure_logging(config.log_format, config.log_level)
+    provider = configure_tracing("kvloop-broker", console_spans=config.console_spans)
+    try:
+        asyncio.run(serve(config))
+    finally:
+        if provider is not None:
+            provider.shutdown()
+    return 0
+
+
+def format_status(reply: Any) -> str:
+    """Human-readable ``Inspect`` reply."""
+    from kvloop.v1 import broker_pb2 as pb
+
+    now = reply.now_unix
+    lines = [f"broker replica {reply.replica_id}  store={reply.store}  leader={'yes' if reply.leader else 'no'}"]
+    lines.append(f"engines: {len(reply.engines)}")
+    for e in reply.engines:
+        role = pb.EngineRole.Name(e.engine.role).removeprefix("ENGINE_ROLE_").lower()
+        lines.append(
+            f"  {e.engine.engine_id:<16} {role:<8} retained {e.retained_blocks}/{e.engine.retention_budget_blocks}"
+            f" blocks  leases {e.leases}  block_size {e.engine.block_size}  load r{e.load.running_requests}"
+            f"/w{e.load.waiting_requests} kv {e.load.kv_usage:.0%}  seen {now - e.last_seen_unix:.1f}s ago"
+            f"  eviction_seq {e.last_eviction_seq}")
+    lines.append(f"leases: {len(reply.leases)}")
+    for lease in reply.leases:
+        pending = pb.EvictionReason.Name(lease.pending_eviction).removeprefix("EVICTION_REASON_").lower()
+        lines.append(
+            f"  {lease.lease_id[:12]}  engine {lease.engine_id:<12} session {lease.session_id or '-':<12}"
+            f" blocks {len(lease.block_ids):>4}  tokens {lease.num_tokens:>6}"
+            f"  expires in {lease.expires_at_unix - now:7.1f}s  pins {lease.pins}"
+            + (f"  pending {pending}" if lease.pending_eviction else ""))
+    lines.append(f"pins: {len(reply.pins)}")
+    for pin in reply.pins:
+        lines.append(f"  {pin.pin_id[:12]}  lease {pin.lease_id[:12]}  reader {pin.reader_engine_id}"
+                     f"  blocks {pin.num_blocks}  expires in {pin.expires_at_unix - now:.1f}s")
+    return "\n".join(lines)
+
+
+async def _inspect(addresses: str, timeout_s: float) -> Any:
+    from kvloop.client import BrokerClient
+    from kvloop.v1 import broker_pb2 as pb
+
+    async with BrokerClient(addresses, timeout_s=timeout_s) as client:
+        return await client.call("Inspect", pb.InspectRequest())
+
+
+def _broker_status(args: argparse.Namespace) -> int:
+    import grpc
+    from google.protobuf import json_format
+
+    try:
+        reply = asyncio.run(_inspect(args.broker, args.timeout))
+    except grpc.aio.AioRpcError as exc:
+        print(f"kvloop: broker {args.broker}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json_format.MessageToJson(reply, preserving_proto_field_name=True))
+    else:
+        print(format_status(reply))
+    return 0
+
+
+def _up(args: argparse.Namespace) -> int:
+    """The local cluster. Today: the broker on the embedded store (engines and router come next)."""
+    from broker.config import BrokerConfig
+    from broker.server import SERVICE_NAME, start_broker
+    from kvloop.client import wait_serving
+    from kvloop.telemetry import configure_logging, configure_tracing
+
+    config = BrokerConfig.load({"listen": args.listen, "metrics_listen": args.metrics_listen,
+                                "log_level": "warning"})
+    configure_logging(config.log_format, config.log_level)
+    provider = configure_tracing("kvloop-broker")
+
+    async def run() -> None:
+        import signal
+
+        running = await start_broker(config)
+        address = f"127.0.0.1:{running.port}"
+        try:
+            await wait_serving(address, SERVICE_NAME, timeout_s=30)
+            print(f"kvloop up: broker serving at {address} (store memory), metrics at "
+                  f"http://127.0.0.1:{running.metrics_port}/metrics")
+            print(format_status(await _inspect(address, 5.0)))
+            if args.once:
+                return
+            print("Ctrl-C to stop.", flush=True)
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, stop.set)
+            await stop.wait()
+        finally:
+            await running.stop()
+
+    try:
+        asyncio.run(run())
+    finally:
+        if provider is not None:
+            provider.shutdown()
+    return 0
+
+
+def _bench_broker(args: argparse.Namespace) -> int:
+    from broker.bench import main as bench_main
+
+    return bench_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from broker.config import BrokerConfig
+
+    parser = argparse.ArgumentParser(prog="kvloop", description="Close the KV-cache loop in P/D vLLM serving.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    broker = sub.add_parser("broker", help="the KV-cache broker").add_subparsers(dest="broker_command",
+                                                                                 required=True)
+    serve = broker.add_parser("serve", help="run a broker replica")
+    BrokerConfig.add_arguments(serve)
+    serve.set_defaults(func=_broker_serve)
+    status = broker.add_parser("status", help="engines, leases, retained blocks and pins of a broker")
+    status.add_argument("--broker", default="127.0.0.1:50051", help="broker address(es), comma-separated")
+    status.add_argument("--json", action="store_true", help="print the Inspect reply as JSON")
+    status.add_argument("--timeout", type=float, default=5.0, help="RPC deadline in seconds")
+    status.set_defaults(func=_broker_status)
+
+    up = sub.add_parser("up", help="start a local kvloop cluster (today: the broker on the memory store)")
+    up.add_argument("--listen", default="127.0.0.1:0", help="broker gRPC address (port 0 = any free port)")
+    up.add_argument("--metrics-listen", default="127.0.0.1:0", help="broker metrics address")
+    up.add_argument("--once", action="store_true", help="print the status and stop instead of serving")
+    up.set_defaults(func=_up)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    bench_broker = bench.add_parser("broker", help="placement/publish/pin cycles against a real broker")
+    from broker.bench import add_arguments as add_bench_arguments
+
+    add_bench_arguments(bench_broker)
+    bench_broker.set_defaults(func=_bench_broker)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ConfigError as exc:
+        print(f"kvloop: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""A thin broker client over the ``kvloop.v1`` stubs: one channel per replica address, fail over to the
+next replica when one answers UNAVAILABLE (not the leader, or down). Used by the CLI, the benchmark,
+the router and the engine sidecars."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+
+from kvloop.v1 import broker_pb2_grpc
+
+
+class BrokerClient:
+    def __init__(self, addresses: Sequence[str] | str, *, timeout_s: float = 5.0,
+                 options: Sequence[tuple[str, Any]] = ()) -> None:
+        if isinstance(addresses, str):
+            addresses = [a.strip() for a in addresses.split(",") if a.strip()]
+        if not addresses:
+            raise ValueError("broker address list is empty")
+        self.addresses = list(addresses)
+        self.timeout_s = timeout_s
+        self._channels = [grpc.aio.insecure_channel(a, options=list(options)) for a in self.addresses]
+        self._stubs = [broker_pb2_grpc.KVBrokerStub(c) for c in self._channels]
+        self._current = 0
+
+    @property
+    def stub(self) -> broker_pb2_grpc.KVBrokerStub:
+        return self._stubs[self._current]
+
+    async def call(self, method: str, request: Any, *, timeout_s: float | None = None) -> Any:
+        """Unary call with failover: tries each replica once, starting with the last good one."""
+        last: grpc.aio.AioRpcError | None = None
+        for attempt in range(len(self._stubs)):
+            index = (self._current + attempt) % len(self._stubs)
+            try:
+                response = await getattr(self._stubs[index], method)(request, timeout=timeout_s or self.timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                last = exc
+                continue
+            self._current = index
+            return response
+        assert last is not None
+        raise last
+
+    async def close(self) -> None:
+        for channel in self._channels:
+            await channel.close()
+
+    async def __aenter__(self) -> BrokerClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+async def wait_serving(address: str, service: str = "", *, timeout_s: float = 30.0) -> None:
+    """Poll grpc.health.v1 until ``service`` on ``address`` is SERVING; raise TimeoutError otherwise."""
+    import asyncio
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    last = "no answer"
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while loop.time() < deadline:
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            except grpc.aio.AioRpcError as exc:
+                last = exc.code().name
+            await asyncio.sleep(0.05)
+    raise TimeoutError(f"{address} service {service!r} not SERVING after {timeout_s}s (last: {last})")
+
+
+class PlacementStream:
+    """Placements over one long-lived ``PlaceStream`` call: callers ``await place(request)`` concurrently;
+    a writer sends requests one at a time (gRPC allows one outstanding write per call) and a reader
+    resolves replies in order. When the stream breaks, every waiting caller gets the error and the
+    next ``place`` opens a new stream."""
+
+    def __init__(self, stub: broker_pb2_grpc.KVBrokerStub) -> None:
+        import asyncio
+        import collections
+
+        self._stub = stub
+        self._asyncio = asyncio
+        self._waiting: collections.deque[asyncio.Future[Any]] = collections.deque()
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._call: Any = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def _open(self) -> None:
+        self._call = self._stub.PlaceStream()
+        self._tasks = [self._asyncio.create_task(self._write_loop(self._call)),
+                       self._asyncio.create_task(self._read_loop(self._call))]
+
+    async def _write_loop(self, call: Any) -> None:
+        try:
+            while True:
+                request = await self._queue.get()
+                await call.write(request)
+        except Exception as exc:  # the call failed: fail the waiters, the reader sees it too
+            self._fail(exc)
+
+    async def _read_loop(self, call: Any) -> None:
+        try:
+            while True:
+                reply = await call.read()
+                if reply is grpc.aio.EOF:
+                    raise ConnectionError("broker closed the placement stream")
+                future = self._waiting.popleft()
+                if not future.done():
+                    future.set_result(reply)
+        except Exception as exc:
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._call is None:
+            return
+        self._call.cancel()
+        self._call = None
+        for task in self._tasks:
+            task.cancel()
+        while self._waiting:
+            future = self._waiting.popleft()
+            if not future.done():
+                future.set_exception(exc)
+        self._queue = self._asyncio.Queue()
+
+    async def place(self, request: Any, timeout_s: float = 5.0) -> Any:
+        if self._call is None:
+            self._open()
+        future = self._asyncio.get_running_loop().create_future()
+        self._waiting.append(future)
+        self._queue.put_nowait(request)
+        return await self._asyncio.wait_for(future, timeout_s)
+
+    async def close(self) -> None:
+        if self._call is not None:
+            call, self._call = self._call, None
+            for task in self._tasks:
+                task.cancel()
+            call.cancel()
