@@ -3,6 +3,8 @@ that imports generated code."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from broker.core import (
     Addresses,
     CostEstimate,
@@ -20,9 +22,9 @@ from broker.core import (
 from kvloop.errors import InvalidArgument
 from kvloop.v1 import broker_pb2 as pb
 
-_ROLE_FROM_PB = {pb.ENGINE_ROLE_PREFILL: Role.PREFILL, pb.ENGINE_ROLE_DECODE: Role.DECODE,
+_ROLE_FROM_PB: dict[int, Role] = {pb.ENGINE_ROLE_PREFILL: Role.PREFILL, pb.ENGINE_ROLE_DECODE: Role.DECODE,
                  pb.ENGINE_ROLE_BOTH: Role.BOTH}
-_ROLE_TO_PB = {v: k for k, v in _ROLE_FROM_PB.items()}
+_ROLE_TO_PB: dict[Role, Any] = {v: k for k, v in _ROLE_FROM_PB.items()}
 _DECISION_TO_PB = {Decision.RECOMPUTE: pb.DECISION_RECOMPUTE, Decision.TRANSFER: pb.DECISION_TRANSFER,
                    Decision.LOCAL: pb.DECISION_LOCAL}
 _REASON_TO_PB = {

@@ -19,7 +19,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from broker import convert
-from broker.core import BrokerState, PlaceInput, Plan
+from broker.core import BrokerState, EvictionCommand, PlaceInput, Plan
 from broker.runtime import BrokerRuntime
 from kvloop.errors import KvloopError
 from kvloop.v1 import broker_pb2 as pb
@@ -214,7 +214,9 @@ class BrokerService(broker_pb2_grpc.KVBrokerServicer):
             while True:
                 event.clear()
                 try:
-                    commands = self.runtime.read(lambda s, now, after=cursor: s.commands_after(engine_id, after))
+                    after = cursor
+                    commands: list[EvictionCommand] = self.runtime.read(
+                        lambda s, now: s.commands_after(engine_id, after))  # noqa: B023 (called at once)
                 except KvloopError as exc:
                     code = _CODES[exc.status.value]
                     self.runtime.metrics.rpc_errors.labels(method="WatchEvictions", code=code.name).inc()

@@ -57,7 +57,8 @@ def freed_blocks(lease: Lease, refcounts: Refcounts) -> int:
 
 
 class EvictionPolicy(Protocol):
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def rank(self, candidates: Iterable[Lease], refcounts: Refcounts, now: float) -> list[Lease]:
         """Candidates in eviction order, first evicted first."""

@@ -100,9 +100,9 @@ def place(
     matched = min(match.blocks, max_blocks) if match else 0
     source = by_id[match.lease.engine_id] if match else None
 
-    if source is not None and source.info.role.can_prefill and matched:
-        if source.load.score - prefill.load.score <= policy.sticky_load_gap:
-            prefill = source  # it holds the prefix itself: prefill there, no transfer
+    if (source is not None and source.info.role.can_prefill and matched
+            and source.load.score - prefill.load.score <= policy.sticky_load_gap):
+        prefill = source  # it holds the prefix itself: prefill there, no transfer
 
     sticky = False
     sticky_candidate = source if source is not None and source.info.role.can_decode else None

@@ -58,18 +58,15 @@ class EtcdStore:
         return self._prefix + kind.encode() + b"/" + ident.encode()
 
     async def load(self) -> Snapshot:
-        snap = Snapshot()
+        raw: dict[bytes, list[bytes]] = {}
         try:
-            for kind, decode, out in (
-                ("engines", codec.decode_engine, snap.engines),
-                ("leases", codec.decode_lease, snap.leases),
-                ("pins", codec.decode_pin, snap.pins),
-            ):
-                for value, _meta in await self._client.get_prefix(self._prefix + kind.encode() + b"/"):
-                    out.append(decode(value))  # type: ignore[attr-defined]
+            for kind in (b"engines", b"leases", b"pins"):
+                raw[kind] = [value for value, _meta in await self._client.get_prefix(self._prefix + kind + b"/")]
         except aetcd.exceptions.ClientError as exc:
             raise Unavailable(f"etcd: cannot load broker state: {exc}") from exc
-        return snap
+        return Snapshot(engines=[codec.decode_engine(v) for v in raw[b"engines"]],
+                        leases=[codec.decode_lease(v) for v in raw[b"leases"]],
+                        pins=[codec.decode_pin(v) for v in raw[b"pins"]])
 
     async def _etcd_lease(self, deadline: float, now: float) -> int:
         bucket = math.ceil(deadline / self._bucket_s)

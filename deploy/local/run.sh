@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# kvloop on one machine. Two commands, both safe on a fresh machine:
+#   deploy/local/run.sh up     set up, then run the local cluster (the main job)
+#   deploy/local/run.sh test   set up, then lint, type-check and run every test
+# Set-up installs Debian's etcd-server when etcd is missing and creates .venv in the repository root.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+PYTHON=${PYTHON:-python3}
+VENV=.venv
+
+setup() {
+  if ! command -v etcd >/dev/null 2>&1 && [ ! -x /usr/bin/etcd ]; then
+    echo "== installing etcd-server (Debian)"
+    SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq etcd-server >/dev/null
+    # Debian starts a system etcd on 2379; kvloop's tests start their own on free ports.
+    $SUDO systemctl disable --now etcd >/dev/null 2>&1 || true
+  fi
+  if [ ! -x "$VENV/bin/python" ]; then
+    echo "== creating $VENV"
+    "$PYTHON" -m venv "$VENV"
+  fi
+  # Reinstall only when the project's metadata changed since the last set-up.
+  stamp="$VENV/.kvloop-installed"
+  if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    echo "== installing kvloop[dev] into $VENV"
+    "$VENV/bin/python" -m pip install -q --upgrade pip
+    "$VENV/bin/python" -m pip install -q -e '.[dev]'
+    touch "$stamp"
+  fi
+}
+
+cmd=${1:-}
+shift || true
+case "$cmd" in
+  up)
+    setup
+    exec "$VENV/bin/kvloop" up "$@"
+    ;;
+  test)
+    setup
+    echo "== ruff"; "$VENV/bin/ruff" check .
+    echo "== mypy"; "$VENV/bin/mypy"
+    echo "== pytest"; exec "$VENV/bin/pytest" -q "$@"
+    ;;
+  *)
+    echo "usage: $0 up|test [args...]" >&2
+    exit 2
+    ;;
+esac
