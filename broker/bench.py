@@ -153,20 +153,22 @@ def _bench_store(store: str, args: argparse.Namespace, work: Path) -> dict[str, 
     etcd = None
     broker_args = ["--store", store, "--log-level", "warning"]
     if store == "etcd":
-        etcd = procs.start_etcd(work / "etcd-data", work)
+        # etcd shares the clients' core: the broker's core stays the broker's alone.
+        etcd = procs.start_etcd(work / "etcd-data", work, cpus=client_cpus)
         broker_args += ["--etcd-endpoint", etcd.extra["endpoint"], "--etcd-prefix", f"/bench-{uuid.uuid4().hex[:6]}/"]
     broker = procs.start_broker(f"broker-{store}", broker_args, work, cpus=broker_cpus)
     if client_cpus:
         os.sched_setaffinity(0, client_cpus)
     try:
         from broker.server import SERVICE_NAME
+        from kvloop.cli import run_async
         from kvloop.client import wait_serving
 
-        asyncio.run(wait_serving(broker.extra["address"], SERVICE_NAME, timeout_s=30))
+        run_async(wait_serving(broker.extra["address"], SERVICE_NAME, timeout_s=30))
         results = {}
         for phase, full, streams in (("cycle", True, 0), ("place_unary", False, 0),
                                      ("place_stream", False, args.streams)):
-            results[phase] = asyncio.run(_run_phase(broker.extra["address"], phase, args.clients, args.duration,
+            results[phase] = run_async(_run_phase(broker.extra["address"], phase, args.clients, args.duration,
                                                     args.prompt_tokens, args.block_size, full, streams))
         return results
     finally:

@@ -12,7 +12,7 @@ from typing import TypeVar
 import structlog
 
 from broker.config import BrokerConfig
-from broker.core import BrokerState, EvictionCommand, make_policy
+from broker.core import BrokerState, Changes, EvictionCommand, make_policy
 from broker.metrics import BrokerMetrics
 from broker.store import Election, Store
 from kvloop.errors import Unavailable
@@ -30,7 +30,8 @@ class BrokerRuntime:
         self.metrics = metrics
         self.clock = clock
         self.state: BrokerState | None = None
-        self._lock = asyncio.Lock()
+        self._batch: tuple[Changes, asyncio.Future[None]] | None = None
+        self._flusher: asyncio.Task[None] | None = None
         self._wakeups: dict[str, set[asyncio.Event]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self.leader_changed = asyncio.Event()
@@ -51,8 +52,7 @@ class BrokerRuntime:
         for rec in snapshot.engines:
             rec.last_seen = max(rec.last_seen, now)
         state.load(snapshot.engines, snapshot.leases, snapshot.pins)
-        async with self._lock:
-            self.state = state
+        self.state = state
         log.info("broker.leader", engines=len(snapshot.engines), leases=len(snapshot.leases),
                  pins=len(snapshot.pins), store=self.store.kind)
         self.metrics.set_state(state, leader=True)
@@ -60,8 +60,7 @@ class BrokerRuntime:
         self.leader_changed.set()
 
     async def _on_deposed(self) -> None:
-        async with self._lock:
-            self.state = None
+        self.state = None
         self.metrics.set_state(None, leader=False)
         self._wake_all()
         self.leader_changed.set()
@@ -82,27 +81,52 @@ class BrokerRuntime:
         return fn(self.require_state(), self.clock())
 
     async def mutate(self, fn: Callable[[BrokerState, float], T]) -> T:
-        """Run ``fn`` on the state and persist what it changed before returning. Mutations are
-        serialised so the store sees them in order; if the store refuses, this replica steps down
-        to reload rather than serve state the store does not have."""
-        async with self._lock:
-            state = self.require_state()
-            now = self.clock()
+        """Run ``fn`` on the state and return once what it changed is durable in the store.
+
+        ``fn`` is synchronous, so mutations are atomic on the event loop and the store sees them in
+        order. If the store refuses a write, this replica steps down and reloads rather than serve
+        state the store does not have."""
+        state = self.require_state()
+        now = self.clock()
+        try:
+            result = fn(state, now)
+        finally:
+            changes = state.take_changes()
+        if changes:
+            if self.store.durable:
+                await self._persist(changes)
+            else:
+                self._publish(changes.commands)
+        return result
+
+    async def _persist(self, changes: Changes) -> None:
+        """Group commit: changes made while a write is in flight go out together in the next one, so
+        concurrent RPCs share etcd round trips; each caller returns when its own changes are written."""
+        if self._batch is None:
+            self._batch = (Changes(), asyncio.get_running_loop().create_future())
+        batch, written = self._batch
+        batch.merge(changes)
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush())
+        await asyncio.shield(written)
+
+    async def _flush(self) -> None:
+        while self._batch is not None:
+            (batch, written), self._batch = self._batch, None
             try:
-                result = fn(state, now)
-            finally:
-                changes = state.take_changes()
-            if changes:
-                try:
-                    await self.store.apply(changes, state.hold_until, now)
-                except Unavailable:
-                    log.error("broker.store_write_failed", store=self.store.kind)
+                state = self.require_state()
+                await self.store.apply(batch, state.hold_until, self.clock())
+            except Unavailable as exc:
+                written.set_exception(exc)
+                if self.state is not None:
+                    log.error("broker.store_write_failed", store=self.store.kind, error=exc.message)
                     self.state = None
                     self.metrics.set_state(None, leader=False)
+                    self._wake_all()
                     self._schedule_reload()
-                    raise
-                self._publish(changes.commands)
-            return result
+            else:
+                self._publish(batch.commands)
+                written.set_result(None)
 
     def _publish(self, commands: list[EvictionCommand]) -> None:
         for cmd in commands:

@@ -83,7 +83,7 @@ def etcd_binary() -> str:
     return path
 
 
-def start_etcd(data_dir: Path, log_dir: Path, timeout_s: float = 20.0) -> Proc:
+def start_etcd(data_dir: Path, log_dir: Path, timeout_s: float = 20.0, cpus: set[int] | None = None) -> Proc:
     """A single-member etcd on free loopback ports; ``proc.extra['endpoint']`` is host:port."""
     client, peer = free_port(), free_port()
     url = f"http://127.0.0.1:{client}"
@@ -92,7 +92,7 @@ def start_etcd(data_dir: Path, log_dir: Path, timeout_s: float = 20.0) -> Proc:
             "--listen-peer-urls", f"http://127.0.0.1:{peer}",
             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
             "--initial-cluster", f"kvloop-test=http://127.0.0.1:{peer}", "--log-level", "warn"]
-    proc = _spawn(f"etcd-{client}", argv, log_dir)
+    proc = _spawn(f"etcd-{client}", argv, log_dir, cpus=cpus)
     proc.extra["endpoint"] = f"127.0.0.1:{client}"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -53,6 +53,13 @@ class Changes:
     def __bool__(self) -> bool:
         return bool(self.engines or self.leases or self.pins or self.commands)
 
+    def merge(self, later: Changes) -> None:
+        """Fold ``later`` into this batch: the last write of each record wins."""
+        self.engines.update(later.engines)
+        self.leases.update(later.leases)
+        self.pins.update(later.pins)
+        self.commands.extend(later.commands)
+
 
 def _check_id(value: str, name: str, limit: int, *, required: bool = True) -> None:
     if required and not value:

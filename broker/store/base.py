@@ -18,6 +18,8 @@ class Snapshot:
 
 class Store(Protocol):
     kind: str
+    durable: bool
+    """False when ``apply`` keeps nothing (the runtime then skips it)."""
 
     async def load(self) -> Snapshot:
         """Everything persisted, for a broker that starts or becomes leader."""

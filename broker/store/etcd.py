@@ -39,6 +39,7 @@ def connect(endpoint: str, timeout_s: float = 5.0) -> aetcd.Client:
 
 class EtcdStore:
     kind = "etcd"
+    durable = True
 
     def __init__(
         self, client: aetcd.Client, prefix: str, replica_id: str, *, grace_s: float = 30.0, bucket_s: float = 5.0,

@@ -11,6 +11,7 @@ from broker.store.base import Snapshot
 
 class MemoryStore:
     kind = "memory"
+    durable = False
 
     async def load(self) -> Snapshot:
         return Snapshot()
