@@ -35,6 +35,7 @@ class BrokerRuntime:
         self._wakeups: dict[str, set[asyncio.Event]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self.leader_changed = asyncio.Event()
+        self.draining = False
 
     # ------------------------------------------------------------------ leadership
     def new_state(self) -> BrokerState:
@@ -146,6 +147,12 @@ class BrokerRuntime:
             events.discard(event)
             if not events:
                 del self._wakeups[engine_id]
+
+    def drain(self) -> None:
+        """Shutting down: end the eviction streams (their engines reconnect to another replica) so
+        that they do not hold the graceful drain open for the whole grace period."""
+        self.draining = True
+        self._wake_all()
 
     def _wake_all(self) -> None:
         for events in self._wakeups.values():

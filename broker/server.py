@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
@@ -60,6 +60,7 @@ class RunningBroker:
         log.info("broker.stopping", grace_s=self.config.shutdown_grace_s)
         await self.health.enter_graceful_shutdown()
         self._watcher.cancel()
+        self.runtime.drain()
         await self.server.stop(self.config.shutdown_grace_s)
         await self.runtime.stop()
         if self._metrics_server is not None:
@@ -69,22 +70,25 @@ class RunningBroker:
 
 async def start_broker(config: BrokerConfig, metrics: BrokerMetrics | None = None) -> RunningBroker:
     metrics = metrics or BrokerMetrics()
-    store, election = make_store(config)
-    runtime = BrokerRuntime(config, store, election, metrics)
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]
     server = grpc.aio.server(options=options)
-    broker_pb2_grpc.add_KVBrokerServicer_to_server(BrokerService(runtime), server)
-    health_servicer = health_aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     host, port = parse_host_port(config.listen, "listen")
     bound = server.add_insecure_port(f"{host}:{port}" if ":" not in host else f"[{host}]:{port}")
     if bound == 0:
         raise OSError(f"listen: cannot bind {config.listen}")
+    if not config.advertise and port == 0:
+        # Port 0 picks a free port: advertise the port bound (followers name it to clients), not ":0".
+        config = replace(config, advertise=f"{config.listen.rpartition(':')[0]}:{bound}")
+    store, election = make_store(config)
+    runtime = BrokerRuntime(config, store, election, metrics)
+    broker_pb2_grpc.add_KVBrokerServicer_to_server(BrokerService(runtime), server)
+    health_servicer = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     metrics_server, metrics_port = None, 0
     if config.metrics_listen:
         mhost, mport = parse_host_port(config.metrics_listen, "metrics_listen")

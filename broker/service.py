@@ -212,6 +212,8 @@ class BrokerService(broker_pb2_grpc.KVBrokerServicer):
         event = self.runtime.subscribe(engine_id)
         try:
             while True:
+                if self.runtime.draining:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "this broker replica is shutting down")
                 event.clear()
                 try:
                     after = cursor

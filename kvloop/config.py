@@ -53,14 +53,17 @@ def _coerce(name: str, tp: type, raw: Any) -> Any:
                 return False
             raise ValueError(f"expected a boolean ({'/'.join(sorted(_TRUE | _FALSE))})")
         if tp is int:
-            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+            if (isinstance(raw, bool) or not isinstance(raw, int | float | str)
+                    or (isinstance(raw, float) and not raw.is_integer())):
                 raise ValueError("expected an integer")
             return int(raw)
         if tp is float:
-            if isinstance(raw, bool):
+            if isinstance(raw, bool) or not isinstance(raw, int | float | str):
                 raise ValueError("expected a number")
             return float(raw)
         if tp is Path:
+            if not isinstance(raw, str | Path):
+                raise ValueError("expected a path")
             return Path(raw)
         if tp is str:
             if not isinstance(raw, str | int | float):
@@ -133,6 +136,8 @@ class ServiceConfig:
             else:
                 continue
             value = _coerce(f.name, tp, raw)
+            if value is None and f.default is not None:  # e.g. ``listen:`` left empty in the YAML file
+                raise ConfigError(f"{f.name}: a value is required (got null from {origin})", field=f.name)
             choices = f.metadata.get("choices")
             if choices and value not in choices:
                 raise ConfigError(f"{f.name}: {value!r} from {origin} is not one of {list(choices)}", field=f.name)

@@ -6,6 +6,7 @@ The shell persists what changed (``take_changes``) and delivers eviction command
 
 from __future__ import annotations
 
+import math
 import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
@@ -180,8 +181,8 @@ class BrokerState:
         if not 0.0 <= load.kv_usage <= 1.0:
             raise InvalidArgument("load.kv_usage: must be within 0..1", field="load.kv_usage")
         for name in ("prefill_tokens_per_s", "transfer_bytes_per_s"):
-            if getattr(load, name) < 0:
-                raise InvalidArgument(f"load.{name}: must not be negative", field=f"load.{name}")
+            if not 0 <= getattr(load, name) < math.inf:  # NaN fails too: it would poison every cost estimate
+                raise InvalidArgument(f"load.{name}: must be finite and not negative", field=f"load.{name}")
         rec.load = load
         rec.last_seen = now
         self._touch_engine(rec)

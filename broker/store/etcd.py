@@ -62,7 +62,7 @@ class EtcdStore:
         raw: dict[bytes, list[bytes]] = {}
         try:
             for kind in (b"engines", b"leases", b"pins"):
-                raw[kind] = [value for value, _meta in await self._client.get_prefix(self._prefix + kind + b"/")]
+                raw[kind] = [kv.value for kv in await self._client.get_prefix(self._prefix + kind + b"/")]
         except aetcd.exceptions.ClientError as exc:
             raise Unavailable(f"etcd: cannot load broker state: {exc}") from exc
         return Snapshot(engines=[codec.decode_engine(v) for v in raw[b"engines"]],
@@ -183,7 +183,15 @@ class EtcdElection:
                 continue
             self._leader_address = json.loads(self._value)["address"]
             log.info("election.elected")
-            await on_elected()
+            try:
+                await on_elected()
+            except Exception:
+                # e.g. the state could not be loaded: give the leadership up and campaign again,
+                # rather than end the loop and hold the key without ever serving.
+                log.exception("election.takeover_failed")
+                await self._give_up()
+                await self._wait(interval)
+                continue
             await self._hold(interval)
             await on_deposed()
             log.warning("election.deposed")
@@ -204,6 +212,12 @@ class EtcdElection:
                 log.warning("election.refresh_failed", error=str(exc))
                 if asyncio.get_running_loop().time() - last_ok >= self._ttl_s:
                     return
+
+    async def _give_up(self) -> None:
+        if self._lease is not None:
+            with contextlib.suppress(Exception):
+                await self._lease.revoke()
+            self._lease = None
 
     async def resign(self) -> None:
         self._stop.set()
