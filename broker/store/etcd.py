@@ -83,27 +83,20 @@ class EtcdStore:
         tx = self._client.transactions
         ops: list[Any] = []
         try:
-            for engine_id, rec in changes.engines.items():
-                key = self._key("engines", engine_id)
-                if rec is None:
-                    ops.append(tx.delete(key))
-                else:
-                    lease = await self._etcd_lease(rec.last_seen + self._engine_ttl_s, now)
-                    ops.append(tx.put(key, codec.encode_engine(rec), lease=lease))
-            for lease_id, lease_rec in changes.leases.items():
-                key = self._key("leases", lease_id)
-                if lease_rec is None:
-                    ops.append(tx.delete(key))
-                else:
-                    lease = await self._etcd_lease(hold_until(lease_rec), now)
-                    ops.append(tx.put(key, codec.encode_lease(lease_rec), lease=lease))
-            for pin_id, pin in changes.pins.items():
-                key = self._key("pins", pin_id)
-                if pin is None:
-                    ops.append(tx.delete(key))
-                else:
-                    lease = await self._etcd_lease(pin.expires_at, now)
-                    ops.append(tx.put(key, codec.encode_pin(pin), lease=lease))
+            # (kind, changed records, encoder, the record's deadline: etcd may drop it a grace later)
+            kinds: list[tuple[str, dict[str, Any], Callable[[Any], bytes], Callable[[Any], float]]] = [
+                ("engines", changes.engines, codec.encode_engine, lambda r: r.last_seen + self._engine_ttl_s),
+                ("leases", changes.leases, codec.encode_lease, hold_until),
+                ("pins", changes.pins, codec.encode_pin, lambda p: p.expires_at),
+            ]
+            for kind, records, encode, deadline in kinds:
+                for ident, record in records.items():
+                    key = self._key(kind, ident)
+                    if record is None:
+                        ops.append(tx.delete(key))
+                    else:
+                        lease = await self._etcd_lease(deadline(record), now)
+                        ops.append(tx.put(key, encode(record), lease=lease))
             if not ops:
                 return
             guard = [tx.value(self._leader_key) == self._leader_value]
