@@ -116,7 +116,7 @@ class BrokerService(broker_pb2_grpc.KVBrokerServicer):
     @rpc("DeregisterEngine")
     async def DeregisterEngine(self, request: pb.DeregisterEngineRequest, context: Any
                                ) -> pb.DeregisterEngineResponse:
-        dropped = await self.runtime.mutate(lambda s, now: s.deregister(request.engine_id))
+        dropped = await self.runtime.mutate(lambda s, now: s.deregister(request.engine_id, now))
         log.info("engine.deregistered", engine=request.engine_id, dropped_leases=dropped)
         return pb.DeregisterEngineResponse(dropped_leases=dropped)
 

@@ -157,10 +157,13 @@ class BrokerState:
             old.info = info  # a reconnect: addresses or budget may have changed
             old.last_seen = now
             self._touch_engine(old)
+            over = self.retained_blocks(info.engine_id) - info.retention_budget_blocks
+            if over > 0:  # a smaller budget applies at once (pinned leases go when their pins end)
+                self._evict_for(info.engine_id, over, EvictionReason.BUDGET, now)
             return old, self.engine_lease_ids(info.engine_id)
         if old is not None:
             # A new incarnation: the process restarted, its retained blocks are gone.
-            self._drop_engine(info.engine_id)
+            self._drop_engine(info.engine_id, now)
         rec = EngineRecord(info=info, registered_at=now, last_seen=now,
                            eviction_seq=old.eviction_seq if old else 0)
         self.engines[info.engine_id] = rec
@@ -192,16 +195,16 @@ class BrokerState:
             self._evict_for(engine_id, need, EvictionReason.MEMORY_PRESSURE, now)
         return rec
 
-    def deregister(self, engine_id: str) -> int:
+    def deregister(self, engine_id: str, now: float) -> int:
         self._engine(engine_id)
-        return self._drop_engine(engine_id)
+        return self._drop_engine(engine_id, now)
 
-    def _drop_engine(self, engine_id: str) -> int:
+    def _drop_engine(self, engine_id: str, now: float) -> int:
         lease_ids = list(self._engine_leases.get(engine_id, ()))
         for lid in lease_ids:
             self._remove_lease(self.leases[lid])
         for pin in [p for p in self.pins.values() if p.reader_engine_id == engine_id]:
-            self._unpin(pin.pin_id)
+            self._unpin(pin.pin_id, now)
         self.engines.pop(engine_id, None)
         self._refs.pop(engine_id, None)
         self._engine_leases.pop(engine_id, None)
@@ -425,14 +428,16 @@ class BrokerState:
                 old = source.learned_bandwidth
                 source.learned_bandwidth = sample if old == 0 else 0.7 * old + 0.3 * sample
                 self._touch_engine(source)
-            if lease.pending is None:
+            # A TTL that ran out during the pull stays run out, whether or not a tick saw it yet:
+            # expiry is deferred by a pin, never cancelled by one.
+            if lease.pending is None and lease.expires_at > now:
                 lease.expires_at = now + lease.ttl_s
                 lease.last_used = now
                 self._touch_lease(lease)
-        self._unpin(pin_id)
+        self._unpin(pin_id, now)
         return self.leases.get(pin.lease_id)
 
-    def _unpin(self, pin_id: str) -> None:
+    def _unpin(self, pin_id: str, now: float) -> None:
         pin = self.pins.pop(pin_id)
         self._changes.pins[pin_id] = None
         lease = self.leases.get(pin.lease_id)
@@ -440,6 +445,8 @@ class BrokerState:
             return
         lease.pin_ids.discard(pin_id)
         self._touch_lease(lease)
+        if not lease.pinned and lease.pending is None and lease.expires_at <= now:
+            lease.pending = EvictionReason.TTL_EXPIRED
         if not lease.pinned and lease.pending is not None:
             reason, lease.pending = lease.pending, None
             self._evict(lease, reason)
@@ -448,12 +455,12 @@ class BrokerState:
     def tick(self, now: float) -> None:
         """Expire pins, then leases, then engines whose keep-alive stopped."""
         for pin in [p for p in self.pins.values() if p.expires_at <= now]:
-            self._unpin(pin.pin_id)
+            self._unpin(pin.pin_id, now)
         for lease in [x for x in self.leases.values() if x.expires_at <= now and x.pending is None]:
             self._evict(lease, EvictionReason.TTL_EXPIRED)
         deadline = now - self.limits.engine_ttl_s
         for engine_id in [e for e, rec in self.engines.items() if rec.last_seen <= deadline]:
-            self._drop_engine(engine_id)
+            self._drop_engine(engine_id, now)
 
     # ----------------------------------------------------------------- placement
     def place(self, request: PlaceInput, now: float) -> Plan:
