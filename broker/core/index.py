@@ -50,7 +50,7 @@ class BlockIndex:
         return any(True for lid in self._by_key.get(key, ())
                    if len(leases[lid].keys) >= depth and leases[lid].keys[depth - 1] == key and eligible(leases[lid]))
 
-    def _holders(self, keys: Sequence[bytes], depth: int, leases: Mapping[str, Lease],
+    def holding(self, keys: Sequence[bytes], depth: int, leases: Mapping[str, Lease],
                  eligible: Callable[[Lease], bool]) -> list[Lease]:
         """Eligible leases holding the query's key at position ``depth - 1`` with the whole prefix."""
         key = keys[depth - 1]
@@ -74,7 +74,7 @@ class BlockIndex:
                 lo = mid
             else:
                 hi = mid - 1
-        winners = self._holders(keys, lo, leases, eligible)
+        winners = self.holding(keys, lo, leases, eligible)
         if winners:
             return [Match(lease, lo) for lease in winners]
         return self._longest_linear(keys, leases, eligible)

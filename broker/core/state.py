@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from broker.core.eviction import EvictionPolicy, RefView, choose_victims
-from broker.core.index import BlockIndex
+from broker.core.index import BlockIndex, Match
 from broker.core.model import (
     EngineInfo,
     EngineLoad,
@@ -480,6 +480,12 @@ class BrokerState:
                     and rec.info.layout_fingerprint == request.layout_fingerprint)
 
         matches = self._index.longest(request.keys, self.leases, eligible) if request.keys else []
+        usable = (request.num_tokens - 1) // request.block_size
+        if matches and 0 < usable < matches[0].blocks:
+            # The block holding the last prompt token is never reused, so every lease sharing the
+            # usable prefix is as good: let the tie-break (same session, recency) choose among them all.
+            matches = [Match(lease, usable) for lease in
+                       self._index.holding(request.keys, usable, self.leases, eligible)]
         session_engine = ""
         held = self._session_leases.get(request.session_id) if request.session_id else None
         if held:

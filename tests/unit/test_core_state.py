@@ -972,3 +972,15 @@ def test_reregistering_with_a_smaller_budget_evicts_down_to_it() -> None:
     commands = c.state.take_changes().commands
     assert [(cmd.lease_id, cmd.reason) for cmd in commands] == [(first.lease_id, EvictionReason.BUDGET)]
     assert set(c.state.leases) == {second.lease_id}
+
+
+def test_session_tie_break_applies_after_the_last_block_cap() -> None:
+    # Session "a" holds exactly the prompt's full blocks; session "b" holds them plus one more block.
+    # The prompt's last full block can't be reused, so both leases are equally usable: "a" must win.
+    c = Cluster(info("d1", Role.DECODE), info("d2", Role.DECODE), info("p", Role.PREFILL))
+    prompt = toks(4 * BS)
+    c.publish("d1", prompt, session="a", now=0.0)
+    c.publish("d2", prompt + toks(BS, 7000), session="b", now=1.0)
+    plan = c.place(prompt, session="a")
+    assert plan.matched_blocks == 3 and plan.source is not None and plan.source.engine_id == "d1"
+    assert plan.decode.engine_id == "d1" and plan.decode_sticky
