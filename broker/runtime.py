@@ -161,9 +161,20 @@ class BrokerRuntime:
 
     def _schedule_reload(self) -> None:
         async def reload() -> None:
-            # The store rejected a write: reload from it if we still lead, else wait for the election.
-            with contextlib.suppress(Exception):
-                await self._on_elected()
+            # The store refused a write. If the election still names us, etcd was briefly unreachable:
+            # reload the state from it and serve again. If not, the fencing did its job: stay down and
+            # let the election (which will notice the lost key) decide.
+            delay = 0.2
+            while not self.draining:
+                try:
+                    if not await self.election.still_leader():
+                        return
+                    await self._on_elected()
+                    return
+                except Exception as exc:
+                    log.warning("broker.reload_failed", error=str(exc))
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
 
         self._tasks.append(asyncio.create_task(reload()))
 

@@ -47,3 +47,7 @@ class Election(Protocol):
     def leader(self) -> str:
         """The current leader's advertised address, or "" when unknown."""
         ...
+
+    async def still_leader(self) -> bool:
+        """Does the store still name this replica the leader (checked now, not remembered)?"""
+        ...

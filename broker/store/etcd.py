@@ -206,6 +206,12 @@ class EtcdElection:
                 if asyncio.get_running_loop().time() - last_ok >= self._ttl_s:
                     return
 
+    async def still_leader(self) -> bool:
+        if self._lease is None:
+            return False
+        current = await self._client.get(self._key)
+        return current is not None and current.value == self._value
+
     async def _give_up(self) -> None:
         if self._lease is not None:
             with contextlib.suppress(Exception):

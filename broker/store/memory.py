@@ -41,3 +41,6 @@ class SoloElection:
 
     def leader(self) -> str:
         return self._address
+
+    async def still_leader(self) -> bool:
+        return not self._stop.is_set()

@@ -1,0 +1,119 @@
+"""BrokerRuntime's write path, with fakes for the store and the election (named as such)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from broker.config import BrokerConfig
+from broker.core import Addresses, Changes, EngineInfo, Lease, Role
+from broker.metrics import BrokerMetrics
+from broker.runtime import BrokerRuntime
+from broker.store import Snapshot
+from kvloop.errors import Unavailable
+
+
+class FakeStore:
+    """Durable in name: records each batch; fails the next ``fail`` writes with Unavailable."""
+
+    kind = "fake"
+    durable = True
+
+    def __init__(self) -> None:
+        self.batches: list[Changes] = []
+        self.fail = 0
+        self.loads = 0
+
+    async def load(self) -> Snapshot:
+        self.loads += 1
+        return Snapshot()
+
+    async def apply(self, changes: Changes, hold_until: Callable[[Lease], float], now: float) -> None:
+        await asyncio.sleep(0)  # a real write yields to the loop: let concurrent mutations pile up
+        if self.fail:
+            self.fail -= 1
+            raise Unavailable("fake store: write refused")
+        self.batches.append(changes)
+
+    async def close(self) -> None:
+        return None
+
+
+class FakeElection:
+    def __init__(self) -> None:
+        self.leading = True
+        self._stop = asyncio.Event()
+
+    async def run(self, on_elected: Callable[[], Awaitable[None]], on_deposed: Callable[[], Awaitable[None]]) -> None:
+        await on_elected()
+        await self._stop.wait()
+
+    async def resign(self) -> None:
+        self._stop.set()
+
+    def leader(self) -> str:
+        return "fake:1"
+
+    async def still_leader(self) -> bool:
+        return self.leading
+
+
+def engine(eid: str) -> EngineInfo:
+    return EngineInfo(eid, Role.DECODE, 128, "fp", 100, Addresses(), "i")
+
+
+async def started() -> tuple[BrokerRuntime, FakeStore, FakeElection]:
+    store, election = FakeStore(), FakeElection()
+    runtime = BrokerRuntime(BrokerConfig.load({}, env={}), store, election, BrokerMetrics())
+    await runtime.start()
+    for _ in range(100):
+        if runtime.is_leader:
+            break
+        await asyncio.sleep(0.01)
+    assert runtime.is_leader
+    return runtime, store, election
+
+
+async def test_concurrent_mutations_share_writes() -> None:
+    runtime, store, _ = await started()
+    try:
+        await asyncio.gather(*(runtime.mutate(lambda s, now, i=i: s.register(engine(f"e{i}"), now))
+                               for i in range(20)))
+        written = {eid for batch in store.batches for eid in batch.engines}
+        assert written == {f"e{i}" for i in range(20)}
+        assert len(store.batches) < 20  # group commit: fewer writes than mutations
+    finally:
+        await runtime.stop()
+
+
+async def test_refused_write_steps_down_then_reloads_while_still_leader() -> None:
+    runtime, store, _ = await started()
+    try:
+        store.fail = 1
+        with pytest.raises(Unavailable):
+            await runtime.mutate(lambda s, now: s.register(engine("e1"), now))
+        for _ in range(300):
+            if runtime.is_leader and store.loads >= 2:
+                break
+            await asyncio.sleep(0.01)
+        assert runtime.is_leader and store.loads == 2
+    finally:
+        await runtime.stop()
+
+
+async def test_refused_write_stays_down_when_no_longer_leader() -> None:
+    runtime, store, election = await started()
+    try:
+        election.leading = False
+        store.fail = 1
+        with pytest.raises(Unavailable):
+            await runtime.mutate(lambda s, now: s.register(engine("e1"), now))
+        with pytest.raises(Unavailable, match="not the leader"):
+            runtime.read(lambda s, now: s.engines)
+        reload_task = runtime._tasks[-1]
+        await asyncio.wait_for(reload_task, 5)  # it asks the election, hears "not leader", and ends
+        assert not runtime.is_leader and store.loads == 1
+    finally:
+        await runtime.stop()
