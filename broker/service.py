@@ -174,18 +174,20 @@ class BrokerService(broker_pb2_grpc.KVBrokerServicer):
     async def Place(self, request: pb.PlaceRequest, context: Any) -> pb.Plan:
         return self._place(request)
 
-    async def PlaceStream(self, requests: AsyncIterator[pb.PlaceRequest], context: grpc.aio.ServicerContext
-                          ) -> AsyncIterator[pb.Plan]:
-        """One Plan per request, in order; a refused request gets a Plan carrying ``error``."""
-        async for request in requests:
-            with tracer.start_as_current_span("kvloop.v1.KVBroker/PlaceStream", kind=SpanKind.SERVER) as span:
-                try:
-                    plan = self._place(request)
-                except KvloopError as exc:
-                    self.runtime.metrics.rpc_errors.labels(method="PlaceStream", code=exc.status.value).inc()
-                    span.set_status(Status(StatusCode.ERROR, exc.message))
-                    plan = pb.Plan(error=f"{exc.status.value}: {exc.message}")
-            yield plan
+    async def PlaceStream(self, batches: AsyncIterator[pb.PlaceBatch], context: grpc.aio.ServicerContext
+                          ) -> AsyncIterator[pb.PlanBatch]:
+        """One PlanBatch per PlaceBatch, plans in request order; a refused request's plan carries ``error``."""
+        async for batch in batches:
+            reply = pb.PlanBatch()
+            for request in batch.requests:
+                with tracer.start_as_current_span("kvloop.v1.KVBroker/PlaceStream", kind=SpanKind.SERVER) as span:
+                    try:
+                        reply.plans.append(self._place(request))
+                    except KvloopError as exc:
+                        self.runtime.metrics.rpc_errors.labels(method="PlaceStream", code=exc.status.value).inc()
+                        span.set_status(Status(StatusCode.ERROR, exc.message))
+                        reply.plans.append(pb.Plan(error=f"{exc.status.value}: {exc.message}"))
+            yield reply
 
     @rpc("Inspect")
     async def Inspect(self, request: pb.InspectRequest, context: Any) -> pb.InspectResponse:

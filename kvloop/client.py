@@ -4,6 +4,8 @@ the router and the engine sidecars."""
 
 from __future__ import annotations
 
+import asyncio
+import collections
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,8 +61,6 @@ class BrokerClient:
 
 async def wait_serving(address: str, service: str = "", *, timeout_s: float = 30.0) -> None:
     """Poll grpc.health.v1 until ``service`` on ``address`` is SERVING; raise TimeoutError otherwise."""
-    import asyncio
-
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     loop = asyncio.get_running_loop()
@@ -81,17 +81,16 @@ async def wait_serving(address: str, service: str = "", *, timeout_s: float = 30
 
 
 class PlacementStream:
-    """Placements over one long-lived ``PlaceStream`` call: callers ``await place(request)`` concurrently;
-    a writer sends requests one at a time (gRPC allows one outstanding write per call) and a reader
-    resolves replies in order. When the stream breaks, every waiting caller gets the error and the
-    next ``place`` opens a new stream."""
+    """Placements over one long-lived ``PlaceStream`` call. Callers ``await place(request)``
+    concurrently; a writer sends what queued up while its previous write was in flight as one batch
+    (gRPC allows one outstanding write per call, and one message per batch amortises its cost), and
+    a reader resolves replies in order. When the stream breaks, every waiting caller gets the error
+    and the next ``place`` opens a new stream."""
+
+    MAX_BATCH = 256
 
     def __init__(self, stub: broker_pb2_grpc.KVBrokerStub) -> None:
-        import asyncio
-        import collections
-
         self._stub = stub
-        self._asyncio = asyncio
         self._waiting: collections.deque[asyncio.Future[Any]] = collections.deque()
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._call: Any = None
@@ -99,15 +98,19 @@ class PlacementStream:
 
     def _open(self) -> None:
         self._call = self._stub.PlaceStream()
-        self._tasks = [self._asyncio.create_task(self._write_loop(self._call)),
-                       self._asyncio.create_task(self._read_loop(self._call))]
+        self._tasks = [asyncio.create_task(self._write_loop(self._call)),
+                       asyncio.create_task(self._read_loop(self._call))]
 
     async def _write_loop(self, call: Any) -> None:
+        from kvloop.v1 import broker_pb2 as pb
+
         try:
             while True:
-                request = await self._queue.get()
-                await call.write(request)
-        except Exception as exc:  # the call failed: fail the waiters, the reader sees it too
+                batch = [await self._queue.get()]
+                while len(batch) < self.MAX_BATCH and not self._queue.empty():
+                    batch.append(self._queue.get_nowait())
+                await call.write(pb.PlaceBatch(requests=batch))
+        except Exception as exc:  # the call failed: fail the waiters (the reader sees it too)
             self._fail(exc)
 
     async def _read_loop(self, call: Any) -> None:
@@ -116,9 +119,10 @@ class PlacementStream:
                 reply = await call.read()
                 if reply is grpc.aio.EOF:
                     raise ConnectionError("broker closed the placement stream")
-                future = self._waiting.popleft()
-                if not future.done():
-                    future.set_result(reply)
+                for plan in reply.plans:
+                    future = self._waiting.popleft()
+                    if not future.done():  # a caller that timed out leaves a cancelled future
+                        future.set_result(plan)
         except Exception as exc:
             self._fail(exc)
 
@@ -133,15 +137,16 @@ class PlacementStream:
             future = self._waiting.popleft()
             if not future.done():
                 future.set_exception(exc)
-        self._queue = self._asyncio.Queue()
+        self._queue = asyncio.Queue()
 
     async def place(self, request: Any, timeout_s: float = 5.0) -> Any:
+        """The request's Plan (check ``plan.error``); raises the stream's error if it broke."""
         if self._call is None:
             self._open()
-        future = self._asyncio.get_running_loop().create_future()
+        future = asyncio.get_running_loop().create_future()
         self._waiting.append(future)
         self._queue.put_nowait(request)
-        return await self._asyncio.wait_for(future, timeout_s)
+        return await asyncio.wait_for(future, timeout_s)
 
     async def close(self) -> None:
         if self._call is not None:

@@ -348,6 +348,18 @@ class Plan(_message.Message):
     error: str
     def __init__(self, decision: _Optional[_Union[Decision, str]] = ..., reason: _Optional[str] = ..., source_engine_id: _Optional[str] = ..., source_addresses: _Optional[_Union[EngineAddresses, _Mapping]] = ..., source_lease_id: _Optional[str] = ..., source_block_ids: _Optional[_Iterable[int]] = ..., matched_blocks: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., recompute_tokens: _Optional[int] = ..., prompt_blocks: _Optional[int] = ..., threshold_tokens: _Optional[int] = ..., cost: _Optional[_Union[CostEstimate, _Mapping]] = ..., prefill_engine_id: _Optional[str] = ..., prefill_addresses: _Optional[_Union[EngineAddresses, _Mapping]] = ..., decode_engine_id: _Optional[str] = ..., decode_addresses: _Optional[_Union[EngineAddresses, _Mapping]] = ..., decode_sticky: _Optional[bool] = ..., session_id: _Optional[str] = ..., candidates: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
+class PlaceBatch(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[PlaceRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[PlaceRequest, _Mapping]]] = ...) -> None: ...
+
+class PlanBatch(_message.Message):
+    __slots__ = ("plans",)
+    PLANS_FIELD_NUMBER: _ClassVar[int]
+    plans: _containers.RepeatedCompositeFieldContainer[Plan]
+    def __init__(self, plans: _Optional[_Iterable[_Union[Plan, _Mapping]]] = ...) -> None: ...
+
 class WatchEvictionsRequest(_message.Message):
     __slots__ = ("engine_id", "after_seq")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]

@@ -81,8 +81,8 @@ class KVBrokerStub:
                 _registered_method=True)
         self.PlaceStream = channel.stream_stream(
                 '/kvloop.v1.KVBroker/PlaceStream',
-                request_serializer=kvloop_dot_v1_dot_broker__pb2.PlaceRequest.SerializeToString,
-                response_deserializer=kvloop_dot_v1_dot_broker__pb2.Plan.FromString,
+                request_serializer=kvloop_dot_v1_dot_broker__pb2.PlaceBatch.SerializeToString,
+                response_deserializer=kvloop_dot_v1_dot_broker__pb2.PlanBatch.FromString,
                 _registered_method=True)
         self.WatchEvictions = channel.unary_stream(
                 '/kvloop.v1.KVBroker/WatchEvictions',
@@ -154,9 +154,11 @@ class KVBrokerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PlaceStream(self, request_iterator, context):
-        """The same as Place over one long-lived stream: one Plan per PlaceRequest, in order. A router
-        that places every turn keeps one open and saves the per-call cost of unary RPCs. A request the
-        broker refuses gets a Plan with DECISION_UNSPECIFIED and `error` set; the stream goes on.
+        """Place over one long-lived stream, in batches: each PlaceBatch gets one PlanBatch with a Plan per
+        request, in order. A client sends whatever requests queued up while its last write was in
+        flight as one batch, so under load many placements share one message's cost, and a lone
+        request goes out at once. A request the broker refuses gets a Plan with DECISION_UNSPECIFIED
+        and `error` set; the stream goes on.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -224,8 +226,8 @@ def add_KVBrokerServicer_to_server(servicer, server):
             ),
             'PlaceStream': grpc.stream_stream_rpc_method_handler(
                     servicer.PlaceStream,
-                    request_deserializer=kvloop_dot_v1_dot_broker__pb2.PlaceRequest.FromString,
-                    response_serializer=kvloop_dot_v1_dot_broker__pb2.Plan.SerializeToString,
+                    request_deserializer=kvloop_dot_v1_dot_broker__pb2.PlaceBatch.FromString,
+                    response_serializer=kvloop_dot_v1_dot_broker__pb2.PlanBatch.SerializeToString,
             ),
             'WatchEvictions': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchEvictions,
@@ -506,8 +508,8 @@ class KVBroker:
             request_iterator,
             target,
             '/kvloop.v1.KVBroker/PlaceStream',
-            kvloop_dot_v1_dot_broker__pb2.PlaceRequest.SerializeToString,
-            kvloop_dot_v1_dot_broker__pb2.Plan.FromString,
+            kvloop_dot_v1_dot_broker__pb2.PlaceBatch.SerializeToString,
+            kvloop_dot_v1_dot_broker__pb2.PlanBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -221,10 +221,12 @@ async def test_place_stream_reports_each_refusal_and_goes_on(world: World) -> No
     call = world.broker.stub.PlaceStream(timeout=10)
     bad = [place(block_size=0), place(block_keys=keys(MAX_KEYS + 1), num_tokens=(MAX_KEYS + 1) * BS),
            place(layout_fingerprint="fp-none")]
-    for request in [*bad, place()]:
-        await call.write(request)
+    await call.write(pb.PlaceBatch(requests=bad))  # one batch with every refusal, then a good one alone
+    await call.write(pb.PlaceBatch(requests=[place()]))
     await call.done_writing()
-    plans = [p async for p in call]
+    replies = [r async for r in call]
+    assert [len(r.plans) for r in replies] == [3, 1]
+    plans = [p for r in replies for p in r.plans]
     assert [p.error.split(":")[0] for p in plans] == ["INVALID_ARGUMENT", "RESOURCE_EXHAUSTED",
                                                       "FAILED_PRECONDITION", ""]
     assert [p.error.split(": ")[1] if p.error else "" for p in plans] == ["block_size", "block_keys",
@@ -257,7 +259,7 @@ async def test_clients_that_vanish_mid_stream(world: World) -> None:
     # A placement stream abandoned with requests in flight.
     call = world.broker.stub.PlaceStream(timeout=10)
     for _ in range(20):
-        await call.write(place())
+        await call.write(pb.PlaceBatch(requests=[place()] * 3))
     call.cancel()
     # Many clients at once, all gone before the broker answers them.
     calls = [world.broker.stub.WatchEvictions(pb.WatchEvictionsRequest(engine_id="d"), timeout=30)
