@@ -1,4 +1,4 @@
-"""The ``kvloop`` command: ``kvloop broker serve|status``, ``kvloop up``, ``kvloop bench broker``."""
+"""The ``kvloop`` command: ``broker serve|status``, ``up``, ``model tiny``, ``engine``, ``bench broker``."""
 
 from __future__ import annotations
 
@@ -160,6 +160,21 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--metrics-listen", default="127.0.0.1:0", help="broker metrics address")
     up.add_argument("--once", action="store_true", help="print the status and stop instead of serving")
     up.set_defaults(func=_up)
+
+    model = sub.add_parser("model", help="local models").add_subparsers(dest="model_command", required=True)
+    tiny = model.add_parser("tiny", help="build (and briefly train) a tiny causal LM with a tokenizer, no downloads")
+    from engines.model import add_arguments as add_model_arguments
+    from engines.model import main as model_main
+
+    add_model_arguments(tiny)
+    tiny.set_defaults(func=model_main)
+
+    engine = sub.add_parser("engine", help="run a vLLM engine with the kvloop connector (and its sidecar)")
+    from engines.launcher import add_arguments as add_engine_arguments
+    from engines.launcher import main as engine_main
+
+    add_engine_arguments(engine)
+    engine.set_defaults(func=engine_main)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     bench_broker = bench.add_parser("broker", help="placement/publish/pin cycles against a real broker")

