@@ -16,7 +16,8 @@ What it does, in order:
    (default ``.kvloop/`` in the repository root): ``cache/`` (vLLM, TorchInductor, Triton, Hugging
    Face, XDG), ``config/``, and per engine ``run/ENGINE_ID/{tmp,rpc}`` (``TMPDIR``,
    ``VLLM_RPC_BASE_PATH``; removed when the engine stops) and ``logs/ENGINE_ID.log``; offline mode;
-   no usage stats; on the CPU build ``VLLM_CPU_KVCACHE_SPACE`` and the OpenMP binding; for NIXL
+   no usage stats; with ``enforce_eager`` no torch.compile at all (``TORCH_COMPILE_DISABLE=1``, see
+   :func:`build_env`); on the CPU build ``VLLM_CPU_KVCACHE_SPACE`` and the OpenMP binding; for NIXL
    ``VLLM_NIXL_SIDE_CHANNEL_HOST/PORT`` and, on a loopback address, ``UCX_TLS=tcp,self,sm``
    ``UCX_NET_DEVICES=lo``.
 4. Starts it as a child in its own session (so its own process group: the API server, the EngineCore
@@ -169,6 +170,11 @@ def build_env(config: EngineConfig, *, work_dir: Path, run_dir: Path, nixl_port:
                PYTHONUNBUFFERED="1")
     if config.offline:
         env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    if config.resolved_enforce_eager():
+        # Eager means no torch.compile at all. Without this, vLLM still compiles a few helpers with Inductor
+        # at their first use (e.g. the logprob ranks in Sampler.gather_logprobs): a C++ build that stalled the
+        # first request asking for logprobs by ~60 s on a 2-core machine (0.4 s with this set; same logprobs).
+        env.setdefault("TORCH_COMPILE_DISABLE", "1")
     if is_cpu_build():
         env["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
         env["VLLM_CPU_OMP_THREADS_BIND"] = config.resolved_omp_threads_bind()

@@ -40,7 +40,6 @@ import gzip
 import hashlib
 import json
 import math
-import os
 import sys
 import sysconfig
 import time
@@ -64,8 +63,7 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
 
-DOC_ROOT = Path("/usr/share/doc")
-MAX_CHARS_PER_FILE = 32 * 1024
+MAX_CHARS_PER_FILE = 64 * 1024
 MAX_CORPUS_CHARS = 6 * 1024 * 1024
 
 DEFAULTS: dict[str, Any] = {
@@ -86,10 +84,10 @@ DEFAULTS: dict[str, Any] = {
     "lr": 3e-3,
 }
 
-# One thread by default: the model is tiny, a single thread is close to two on a 2-core machine, and
-# OpenMP threads that compete for busy cores (engines or tests running beside the build) were seen to
-# slow training tenfold. The weights came out identical with 1 and 2 threads here, but only the same
-# thread count is promised to give the same bytes.
+# One thread by default: the model is tiny, and OpenMP threads that compete for busy cores (engines or
+# tests running beside the build) were measured ten times slower than one thread on this 2-core
+# machine. The weights came out identical with 1 and 2 threads here, but only the same thread count
+# is promised to give the same bytes.
 DEFAULT_THREADS = 1
 
 ARCHS = ("llama", "qwen3")
@@ -100,30 +98,23 @@ DTYPES = ("bfloat16", "float32")
 
 
 def default_text_files() -> list[Path]:
-    """The default corpus, in this order, each part sorted by path:
+    """The default corpus: text that ships with this Python, so it is the same on every machine with
+    the same Python version and does not change when system packages come and go.
 
-    1. ``/usr/share/doc/**/copyright`` and ``/usr/share/doc/**/README*`` (``.gz`` ones decompressed):
-       the Debian package documentation present on most Linux machines;
-    2. the top-level modules of this Python's standard library (``<stdlib>/*.py``), which every
-       machine has (container images often strip ``/usr/share/doc``).
+    In this order: the standard library's ``LICENSE.txt`` (English prose), ``pydoc_data/topics.py``
+    (the language reference's prose, as used by ``help()``), then every top-level module
+    ``<stdlib>/*.py`` sorted by name (code with English docstrings and comments), except the
+    machine-specific ``_sysconfigdata*.py``.
 
-    Symbolic links are skipped; identical contents are dropped later. The list depends on the
-    machine: ``kvloop_model.json`` records every file used with its sha256.
+    ``/usr/share/doc`` (Debian's package documentation) was the other candidate; it is not the default
+    because installing a package (``apt-get install etcd-server``) changes it, and with it the
+    tokenizer and the weights, and container images often strip it. Use ``--text-dir /usr/share/doc``
+    to train on it. ``kvloop_model.json`` records every file used with its sha256 either way.
     """
-    files: list[Path] = []
-    if DOC_ROOT.is_dir():
-        docs: list[Path] = []
-        for dirpath, dirnames, filenames in os.walk(DOC_ROOT):
-            dirnames.sort()
-            for name in filenames:
-                if name == "copyright" or name.upper().startswith("README"):
-                    path = Path(dirpath) / name
-                    if path.is_file() and not path.is_symlink():
-                        docs.append(path)
-        files.extend(sorted(docs))
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files.extend(sorted(p for p in stdlib.glob("*.py") if p.is_file() and not p.is_symlink()))
-    return files
+    files = [stdlib / "LICENSE.txt", stdlib / "pydoc_data" / "topics.py"]
+    files += sorted(p for p in stdlib.glob("*.py") if not p.name.startswith("_sysconfigdata"))
+    return [p for p in files if p.is_file() and not p.is_symlink()]
 
 
 def text_files_under(directories: Iterable[Path]) -> list[Path]:
@@ -533,8 +524,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="windows per step (default %(default)s)")
     parser.add_argument("--lr", type=float, default=d["lr"], help="peak learning rate (default %(default)s)")
     parser.add_argument("--text-dir", type=Path, action="append", default=None,
-                        help="train on every file under this directory (repeatable; default: "
-                             "/usr/share/doc copyright and README files, then the Python stdlib's *.py)")
+                        help="train on every file under this directory, e.g. /usr/share/doc (repeatable; "
+                             "default: text shipped with this Python: its LICENSE.txt, pydoc topics, stdlib *.py)")
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS,
                         help="torch threads (default %(default)s; same count => same weights)")
 

@@ -171,12 +171,20 @@ def test_prefill_to_decode_transfer_matches_prefill_alone(pd_engines: PDEngines)
     assert nixl_bytes >= transferred * 4 * 2 * 2 * 64 * 4
     assert delta("vllm:nixl_num_failed_transfers_total") == 0
 
-    # The same request on the prefill engine alone (greedy, float32): same tokens, same log-probs.
-    reference = http_json(f"{P}/v1/completions", request)
+    # The same request on the prefill engine alone, computed from scratch (a cache salt keeps its prefix cache
+    # out), greedy in float32: same tokens, same log-probs.
+    p_before = scrape(P)
+    reference = http_json(f"{P}/v1/completions", {**request, "cache_salt": "reference"})
+    source = {"source": "local_compute"}
+    p_after = _scrape_until(P, lambda s: metric(s, "vllm:prompt_tokens_by_source_total", **source)
+                            >= metric(p_before, "vllm:prompt_tokens_by_source_total", **source) + prompt_tokens)
+    assert (metric(p_after, "vllm:prompt_tokens_by_source_total", **source)
+            - metric(p_before, "vllm:prompt_tokens_by_source_total", **source)) == prompt_tokens
     got, want = decoded["choices"][0], reference["choices"][0]
     assert got["text"] == want["text"]
     assert got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
     assert got["logprobs"]["token_logprobs"] == pytest.approx(want["logprobs"]["token_logprobs"], abs=1e-3)
+    assert reference["usage"]["prompt_tokens"] == prompt_tokens
 
 
 def _scrape_until(url: str, ready: Any, timeout_s: float = 15.0) -> dict[str, float]:
@@ -266,6 +274,7 @@ def test_command_and_environment(tmp_path: Path) -> None:
     assert argv[-2:] == ["--max-num-seqs", "4"]
     if is_cpu_build():
         assert flags["--block-size"] == "128" and "--enforce-eager" in argv and kv["kv_buffer_device"] == "cpu"
+        assert plan.env["TORCH_COMPILE_DISABLE"] == "1"  # eager: not even vLLM's small Inductor helpers
     env = plan.env
     work = (tmp_path / "work").absolute()
     for name in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TMPDIR", "VLLM_RPC_BASE_PATH", "HF_HOME",

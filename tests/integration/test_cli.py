@@ -43,7 +43,8 @@ async def kvloop(*args: str, env: dict[str, str] | None = None, timeout_s: float
 
 
 async def test_broker_status(start_broker: ModuleBrokerFactory) -> None:
-    proc = start_broker("status")
+    # No keep-alives here: a long engine TTL keeps the engines registered however slow the CLI runs.
+    proc = start_broker("status", "--engine-ttl-s", "600")
     address = proc.extra["address"]
     await wait_serving(address, SERVICE, timeout_s=20)
     b = Broker(address)
