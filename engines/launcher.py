@@ -24,10 +24,10 @@ What it does, in order:
    and its workers, and multiprocessing's resource tracker all share it) with stdout and stderr to the
    log file, and polls ``GET /health`` until 200 (bounded by ``startup_timeout_s``; if the process exits
    first, it fails at once with the log's tail).
-5. **Sidecar hook**: :func:`start_sidecar` is where the engine's sidecar (broker registration,
-   keep-alives, leases, eviction commands) will be started once the engine is healthy, and
-   :meth:`EngineProcess.stop` stops it first. The sidecar does not exist yet: the hook starts nothing
-   and returns ``None``; ``broker`` is accepted and validated but unused.
+5. **Sidecar**: with the kvloop connector and a ``broker``, :func:`spawn_sidecar` starts the engine's
+   sidecar (:mod:`engines.sidecar`: broker registration, keep-alives, leases, eviction commands) next to
+   the engine, with its settings as ``KVLOOP_SIDECAR_*`` variables, log ``logs/ENGINE_ID.sidecar.log`` and
+   socket ``run/ENGINE_ID/sidecar.sock`` (the connector's link); :meth:`EngineProcess.stop` stops it first.
 6. On SIGTERM/SIGINT (``kvloop engine``) or :meth:`EngineProcess.stop` it stops the process group:
    SIGTERM to the API server (vLLM's own orderly shutdown of its EngineCore), then SIGTERM to the whole
    group, then after ``stop_timeout_s`` in all SIGKILL to the group, and waits until no process of the
@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import hashlib
 import json
 import os
 import random
@@ -55,8 +56,10 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from engines.config import EngineConfig, is_cpu_build
+from kvloop import procs
 from kvloop.errors import ConfigError, KvloopError
 from kvloop.procs import free_port
 
@@ -81,6 +84,9 @@ class EnginePlan:
     work_dir: Path
     run_dir: Path
     log_path: Path
+    sidecar_socket: Path | None = None
+    sidecar_env: dict[str, str] | None = None
+    """The sidecar's ``KVLOOP_SIDECAR_*`` settings; None when it does not run (no broker, or upstream's connector)."""
 
     @property
     def url(self) -> str:
@@ -98,10 +104,45 @@ def plan_engine(config: EngineConfig) -> EnginePlan:
     work_dir = config.resolved_work_dir()
     run_dir = work_dir / "run" / engine_id
     log_path = work_dir / "logs" / f"{engine_id}.log"
+    socket_path: Path | None = None
+    sidecar_env: dict[str, str] | None = None
+    if config.connector == "kvloop" and config.broker_addresses():
+        socket_path = sidecar_socket_path(run_dir, engine_id)
+        sidecar_env = build_sidecar_env(config, engine_id=engine_id, port=port, nixl_port=nixl_port,
+                                        socket_path=socket_path)
     return EnginePlan(config=config, engine_id=engine_id, port=port, nixl_port=nixl_port,
-                      argv=build_command(config, engine_id=engine_id, port=port),
+                      argv=build_command(config, engine_id=engine_id, port=port, sidecar_socket=socket_path),
                       env=build_env(config, work_dir=work_dir, run_dir=run_dir, nixl_port=nixl_port),
-                      work_dir=work_dir, run_dir=run_dir, log_path=log_path)
+                      work_dir=work_dir, run_dir=run_dir, log_path=log_path, sidecar_socket=socket_path,
+                      sidecar_env=sidecar_env)
+
+
+def sidecar_socket_path(run_dir: Path, engine_id: str) -> Path:
+    """``run_dir/sidecar.sock``, or a short path under /tmp when that is too long for a Unix socket."""
+    path = run_dir / "sidecar.sock"
+    if len(str(path)) < 100:
+        return path
+    digest = hashlib.sha256(str(path).encode()).hexdigest()[:16]
+    return Path("/tmp") / f"kvloop-{digest}.sock"
+
+
+def build_sidecar_env(config: EngineConfig, *, engine_id: str, port: int, nixl_port: int,
+                      socket_path: Path) -> dict[str, str]:
+    """The sidecar's settings as its ``KVLOOP_SIDECAR_*`` env twins (see :class:`engines.sidecar.SidecarConfig`)."""
+    from engines.layout import engine_fingerprint
+
+    host = "127.0.0.1" if config.host in ("0.0.0.0", "") else config.host
+    block_size = config.resolved_block_size() or 16
+    fingerprint = engine_fingerprint(Path(str(config.model)), dtype=config.dtype, block_size=block_size)
+    values = {
+        "ENGINE_ID": engine_id, "ROLE": config.role, "BROKER": config.broker, "SOCKET": str(socket_path),
+        "LISTEN": config.sidecar_listen or f"{host}:0", "METRICS_LISTEN": f"{host}:0",
+        "ENGINE_URL": f"http://{host}:{port}", "NIXL_ADDRESS": f"{config.resolved_nixl_host()}:{nixl_port}",
+        "LAYOUT_FINGERPRINT": fingerprint, "RETENTION_FRACTION": str(config.retention_fraction),
+        "LEASE_TTL_S": str(config.lease_ttl_s), "HOLD_S": str(config.hold_s),
+        "LOG_FORMAT": "json", "LOG_LEVEL": config.log_level,
+    }
+    return {f"KVLOOP_SIDECAR_{k}": v for k, v in values.items()}
 
 
 def pick_port(host: str = "127.0.0.1", avoid: set[int] | None = None) -> int:
@@ -130,12 +171,14 @@ def pick_port(host: str = "127.0.0.1", avoid: set[int] | None = None) -> int:
     return free_port()  # everything below the range is taken: fall back to an ephemeral one
 
 
-def build_command(config: EngineConfig, *, engine_id: str, port: int) -> list[str]:
+def build_command(config: EngineConfig, *, engine_id: str, port: int, sidecar_socket: Path | None = None) -> list[str]:
     """The ``vllm serve`` command line (through :mod:`engines.vllm_entry`)."""
-    argv = [sys.executable, "-m", "engines.vllm_entry", "serve", str(config.model),
+    # Absolute: the engine runs in work_dir, and a model path relative to the caller's directory would not resolve.
+    argv = [sys.executable, "-m", "engines.vllm_entry", "serve", str(Path(str(config.model)).absolute()),
             "--host", config.host, "--port", str(port),
             "--served-model-name", config.resolved_served_model_name(),
-            "--kv-transfer-config", json.dumps(config.kv_transfer_config(engine_id), separators=(",", ":")),
+            "--kv-transfer-config",
+            json.dumps(config.kv_transfer_config(engine_id, sidecar_socket), separators=(",", ":")),
             "--dtype", config.dtype,
             "--disable-access-log-for-endpoints", "/health,/metrics,/ping"]
     if config.max_model_len is not None:
@@ -194,16 +237,40 @@ def build_env(config: EngineConfig, *, work_dir: Path, run_dir: Path, nixl_port:
     return env
 
 
-class Sidecar:
-    """What :func:`start_sidecar` will return once the sidecar exists."""
+class Sidecar(Protocol):
+    """What :func:`spawn_sidecar` returns (a :class:`kvloop.procs.Proc`)."""
 
-    def stop(self, timeout_s: float) -> None:  # pragma: no cover - nothing implements it yet
-        raise NotImplementedError
+    def stop(self, timeout_s: float = ..., sig: int = ...) -> int: ...
 
 
-def start_sidecar(engine: EngineProcess) -> Sidecar | None:
-    """HOOK: start the engine's sidecar here (after ``/health`` is 200). Not built yet: starts nothing."""
-    return None
+def spawn_sidecar(plan: EnginePlan) -> procs.Proc | None:
+    """Start the engine's sidecar (``python -m engines.sidecar``) when the plan has one; it waits for the
+    connector to attach, so it may start before the engine is healthy. Its port goes to a port file."""
+    if plan.sidecar_env is None:
+        return None
+    port_file = plan.run_dir / "sidecar.port"
+    port_file.unlink(missing_ok=True)
+    env = {**plan.env, **plan.sidecar_env, "KVLOOP_SIDECAR_PORT_FILE": str(port_file)}
+    log_path = plan.log_path.with_name(f"{plan.engine_id}.sidecar.log")
+    with log_path.open("ab") as log:
+        popen = subprocess.Popen([sys.executable, "-m", "engines.sidecar"], stdin=subprocess.DEVNULL, stdout=log,
+                                 stderr=subprocess.STDOUT, env=env, cwd=str(plan.work_dir),
+                                 preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+    return procs.Proc(name=f"{plan.engine_id}-sidecar", popen=popen, log_path=log_path,
+                      extra={"port_file": str(port_file)})
+
+
+def sidecar_address(engine: EngineProcess, timeout_s: float = 30.0) -> str:
+    """host:port of the engine's running sidecar (waits for its port file)."""
+    assert engine.sidecar is not None and engine.plan.sidecar_env is not None
+    port_file = Path(engine.sidecar.extra["port_file"])
+    deadline = time.monotonic() + timeout_s
+    while not port_file.exists():
+        if not engine.sidecar.alive or time.monotonic() > deadline:
+            raise EngineStartError(f"sidecar of {engine.engine_id} did not start:\n{engine.sidecar.log_tail()}")
+        time.sleep(0.05)
+    host = engine.plan.sidecar_env["KVLOOP_SIDECAR_LISTEN"].rpartition(":")[0]
+    return f"{host}:{port_file.read_text().strip()}"
 
 
 @dataclass
@@ -214,7 +281,7 @@ class EngineProcess:
     popen: subprocess.Popen[bytes]
     started_at: float
     ready_seconds: float | None = None
-    sidecar: Sidecar | None = None
+    sidecar: procs.Proc | None = None
     _stopped: bool = field(default=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -304,7 +371,7 @@ class EngineProcess:
         timeout_s = self.plan.config.stop_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         if self.sidecar is not None:
-            self.sidecar.stop(timeout_s / 3)
+            self.sidecar.stop(timeout_s / 3)  # deregisters from the broker, so no reader is sent here any more
         # 1. vLLM's orderly shutdown: the API server tells its EngineCore to exit and joins it.
         if self.alive:
             with contextlib.suppress(ProcessLookupError):
@@ -361,7 +428,13 @@ def spawn_engine(plan: EnginePlan, *, die_with_parent: bool = True) -> EnginePro
         popen = subprocess.Popen(plan.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                  env=plan.env, cwd=str(plan.work_dir), start_new_session=True,
                                  preexec_fn=_die_with_parent if die_with_parent and sys.platform == "linux" else None)
-    return EngineProcess(plan=plan, popen=popen, started_at=time.monotonic())
+    engine = EngineProcess(plan=plan, popen=popen, started_at=time.monotonic())
+    try:
+        engine.sidecar = spawn_sidecar(plan)
+    except BaseException:
+        engine.stop()
+        raise
+    return engine
 
 
 def start_engine(config: EngineConfig, *, wait: bool = True, die_with_parent: bool = True) -> EngineProcess:
@@ -373,7 +446,6 @@ def start_engine(config: EngineConfig, *, wait: bool = True, die_with_parent: bo
         return engine
     try:
         engine.wait_ready(config.startup_timeout_s)
-        engine.sidecar = start_sidecar(engine)
     except BaseException:
         engine.stop()
         raise
@@ -413,9 +485,8 @@ def main(args: argparse.Namespace) -> int:
         if not engine.wait_ready(config.startup_timeout_s, cancel=stop_requested):
             log.info("stop requested during start-up")
             return 0
-        engine.sidecar = start_sidecar(engine)
         log.info("engine ready", url=engine.url, pid=engine.pid, seconds=round(engine.ready_seconds or 0, 1),
-                 sidecar="none (not built yet)" if engine.sidecar is None else "started")
+                 sidecar="none" if engine.sidecar is None else sidecar_address(engine))
         print(f"kvloop engine {engine.engine_id}: {config.role} serving at {engine.url} "
               f"(NIXL side channel {config.resolved_nixl_host()}:{engine.nixl_port}), log {engine.log_path}",
               flush=True)

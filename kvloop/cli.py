@@ -1,4 +1,4 @@
-"""The ``kvloop`` command: ``broker serve|status``, ``up``, ``model tiny``, ``engine``, ``bench broker``."""
+"""The ``kvloop`` command: ``broker serve|status``, ``up``, ``model tiny``, ``engine``, ``bench broker|engines``."""
 
 from __future__ import annotations
 
@@ -138,6 +138,12 @@ def _bench_broker(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
+def _bench_engines(args: argparse.Namespace) -> int:
+    from engines.bench import main as bench_main
+
+    return bench_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from broker.config import BrokerConfig
 
@@ -182,6 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_arguments(bench_broker)
     bench_broker.set_defaults(func=_bench_broker)
+    bench_engines = bench.add_parser("engines", help="return path on/off on one growing session, and idle CPU "
+                                                     "of engines before/after kvloop's fix (real vLLM engines)")
+    from engines.bench import add_arguments as add_engines_bench_arguments
+
+    add_engines_bench_arguments(bench_engines)
+    bench_engines.set_defaults(func=_bench_engines)
     return parser
 
 

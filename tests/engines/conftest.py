@@ -1,15 +1,18 @@
-"""Fixtures that start real vLLM engines: one tiny model built here, one prefill and one decode engine.
+"""Fixtures that start real servers: one tiny model built here, a broker, one prefill and one decode engine.
 
-Both are session-scoped and shared: building the model and starting an engine take tens of seconds on
+All are session-scoped and shared: building the model and starting an engine take tens of seconds on
 a 2-core machine. The engines start concurrently (two ``vllm serve`` processes through
-:func:`engines.launcher.spawn_engine`, upstream NixlConnector, float32) and are stopped at teardown,
-even when a test fails. Tests that stop them (``@pytest.mark.stops_engines``) are moved to the end.
+:func:`engines.launcher.spawn_engine`, kvloop's connector, float32, each with its sidecar registered
+with the broker) and are stopped at teardown, even when a test fails. Tests that stop them
+(``@pytest.mark.stops_engines``) are moved to the end.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,12 +21,18 @@ import pytest
 
 from engines.config import EngineConfig, vllm_distribution
 from engines.launcher import EngineProcess, plan_engine, spawn_engine
+from kvloop import procs
 
 ENGINE_START_TIMEOUT_S = 600.0  # ~70 s for both on an idle 2-core machine; far more when it is shared
 # Upstream's 30 s lease on the prefill's blocks can run out before the decode engine's first NIXL
 # handshake on a loaded 2-core machine; the decode engine then waits forever (upstream bug, see
 # engines/connector.py). Give the test room.
 EXTRA_CONFIG = '{"kv_lease_duration": 180}'
+# Broker settings for the engine tests: leases live long unless a test expires them; engines keep alive
+# every second, so a killed engine is dropped within a few seconds; matches under 300 tokens (two blocks)
+# are recomputed, so the threshold test can make one.
+BROKER_FLAGS = ("--keepalive-interval-s", "1", "--engine-ttl-s", "4", "--default-ttl-s", "600",
+                "--threshold-tokens", "300")
 
 
 def split_cpus(parts: int) -> list[str]:
@@ -66,11 +75,46 @@ class PDEngines:
     decode: EngineProcess
     model_name: str
     start_seconds: float
+    warm_up_seconds: float
+    broker: str
+    model_dir: Path
+
+
+def warm_up(engine: EngineProcess, model_name: str, attempts: int = 3, timeout_s: float = 120.0) -> None:
+    """One small completion and one /metrics scrape, so the tests' first calls find warm code paths.
+
+    On this shared 2-core machine an engine's first call after idling sometimes took minutes (seen on
+    /metrics and on the first completion while other sessions' engines ran; not reproduced alone), so
+    the fixture absorbs it, with a retry on a new connection, instead of a test's assertion."""
+    body = json.dumps({"model": model_name, "prompt": "warm up", "max_tokens": 2, "temperature": 0,
+                       "logprobs": 1, "cache_salt": "warm-up"}).encode()
+    for path, data in (("/v1/completions", body), ("/metrics", None)):
+        for attempt in range(attempts):
+            request = urllib.request.Request(f"{engine.url}{path}", data=data,
+                                             headers={"content-type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+                    reply.read()
+                break
+            except TimeoutError:
+                if attempt == attempts - 1:
+                    raise
 
 
 @pytest.fixture(scope="session")
-def pd_engines(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDEngines]:
-    """One prefill and one decode engine (upstream NixlConnector), on free loopback ports."""
+def engines_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real broker process (memory store) for the engine tests; its address."""
+    proc = procs.start_broker("engines-broker", BROKER_FLAGS, tmp_path_factory.mktemp("engines-broker"))
+    try:
+        yield proc.extra["address"]
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="session")
+def pd_engines(tiny_model: Path, engines_broker: str, tmp_path_factory: pytest.TempPathFactory
+               ) -> Iterator[PDEngines]:
+    """One prefill and one decode engine (kvloop connector, sidecars on the broker), on free loopback ports."""
     work_dir = tmp_path_factory.mktemp("engine-work")
     started: list[EngineProcess] = []
     t0 = time.monotonic()
@@ -79,12 +123,17 @@ def pd_engines(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
             config = EngineConfig(role=role, model=tiny_model, dtype="float32", max_model_len=4096,
                                   work_dir=work_dir, kv_connector_extra_config=EXTRA_CONFIG,
                                   kv_role="kv_producer" if role == "prefill" else "kv_consumer",
-                                  omp_threads_bind=cpus)
+                                  omp_threads_bind=cpus, connector="kvloop", broker=engines_broker,
+                                  engine_id=f"{role}-test")
             started.append(spawn_engine(plan_engine(config)))
         for engine in started:
             engine.wait_ready(ENGINE_START_TIMEOUT_S)
+        start_seconds = time.monotonic() - t0
+        for engine in started:
+            warm_up(engine, tiny_model.name)
         yield PDEngines(prefill=started[0], decode=started[1], model_name=tiny_model.name,
-                        start_seconds=time.monotonic() - t0)
+                        start_seconds=start_seconds, warm_up_seconds=time.monotonic() - t0 - start_seconds,
+                        broker=engines_broker, model_dir=tiny_model)
     finally:
         for engine in started:
             engine.stop()

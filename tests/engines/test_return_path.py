@@ -1,0 +1,260 @@
+"""The return path end to end: real vLLM CPU engines with kvloop's connector, their sidecars, a real broker,
+real NIXL over loopback. Turns are driven by :class:`kvloop.pd.PDDriver` over token ids.
+
+Proofs come from the engines themselves: the prefill engine's
+``vllm:prompt_tokens_by_source_total{source=...}`` (tokens computed, hit in its local prefix cache, or
+loaded by the connector), its NIXL byte counter, and the decode engine's KV usage; the broker's
+``Inspect`` for leases.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import signal
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import grpc
+import pytest
+
+from engines.config import EngineConfig
+from engines.launcher import EngineProcess, plan_engine, spawn_engine
+from engines.layout import engine_fingerprint
+from kvloop.pd import PDDriver, Turn, post_json
+from kvloop.v1 import broker_pb2 as pb
+from kvloop.v1 import broker_pb2_grpc
+from tests.engines.conftest import ENGINE_START_TIMEOUT_S, EXTRA_CONFIG, split_cpus
+from tests.engines.test_launcher import metric, scrape
+
+if TYPE_CHECKING:
+    from tests.engines.conftest import PDEngines
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+BS = 128
+T = TypeVar("T")
+# Float32 on both engines: a correct path differs from another by float rounding only.
+LOGPROB_TOLERANCE = 2e-3
+NEAR_TIE = 0.05  # nats: where greedy paths may legitimately part
+
+
+def wait_for(fn: Callable[[], T], ok: Callable[[T], bool], *, timeout_s: float, what: str) -> T:
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = fn()
+        if ok(last):
+            return last
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; last: {last!r}")
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(300, 4000) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def broker_stub(pd_engines: PDEngines) -> Iterator[broker_pb2_grpc.KVBrokerStub]:
+    channel = grpc.insecure_channel(pd_engines.broker)
+    yield broker_pb2_grpc.KVBrokerStub(channel)
+    channel.close()
+
+
+@pytest.fixture(scope="module")
+def driver(pd_engines: PDEngines) -> Iterator[PDDriver]:
+    fp = engine_fingerprint(pd_engines.model_dir, dtype="float32", block_size=BS)
+    d = PDDriver(pd_engines.broker, fingerprint=fp, block_size=BS, model=pd_engines.model_name,
+                 engines={e.engine_id: e.url for e in (pd_engines.prefill, pd_engines.decode)})
+    yield d
+    d.close()
+
+
+def leases_of(stub: broker_pb2_grpc.KVBrokerStub, engine_id: str) -> list[pb.Lease]:
+    reply = stub.Inspect(pb.InspectRequest(), timeout=5)
+    return [lease for lease in reply.leases if lease.engine_id == engine_id]
+
+
+def engines_registered(stub: broker_pb2_grpc.KVBrokerStub) -> set[str]:
+    return {e.engine.engine_id for e in stub.Inspect(pb.InspectRequest(), timeout=5).engines}
+
+
+def wait_lease(stub: broker_pb2_grpc.KVBrokerStub, engine_id: str, session: str, blocks: int) -> pb.Lease:
+    found = wait_for(lambda: [lease for lease in leases_of(stub, engine_id)
+                              if lease.session_id == session and len(lease.block_keys) >= blocks],
+                     bool, timeout_s=30, what=f"a {blocks}-block lease of session {session} on {engine_id}")
+    return found[0]
+
+
+def first_turn(driver: PDDriver, stub: broker_pb2_grpc.KVBrokerStub, pd: PDEngines, session: str, seed: int,
+               n: int = 600, max_tokens: int = 60) -> Turn:
+    wait_for(lambda: engines_registered(stub), lambda ids: {pd.prefill.engine_id, pd.decode.engine_id} <= ids,
+             timeout_s=60, what="both engines registered with the broker")
+    turn = driver.turn(tokens(random.Random(seed), n), max_tokens=max_tokens, session=session)
+    assert turn.decision == "RECOMPUTE" and turn.reason == "no_match"
+    assert len(turn.output_ids) == max_tokens
+    wait_lease(stub, pd.decode.engine_id, session, (len(turn.all_ids) - 1) // BS)
+    return turn
+
+
+def source_counts(url: str) -> dict[str, float]:
+    samples = scrape(url)
+    return {source: metric(samples, "vllm:prompt_tokens_by_source_total", source=source)
+            for source in ("local_compute", "local_cache_hit", "external_kv_transfer")}
+
+
+def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before[k] for k in after}
+
+
+def aggregated(pd: PDEngines, prompt: list[int], *, max_tokens: int, salt: str = "", logprobs: int = 5
+               ) -> dict[str, Any]:
+    """The prompt on the prefill engine alone, no transfer: local prefix cache (or, with a salt, none)."""
+    body: dict[str, Any] = {"model": pd.model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                            "logprobs": logprobs, "return_token_ids": True}
+    if salt:
+        body["cache_salt"] = salt
+    choice = post_json(f"{pd.prefill.url}/v1/completions", body)["choices"][0]
+    return {"ids": list(choice["token_ids"]), "top": [dict(t) for t in choice["logprobs"]["top_logprobs"]]}
+
+
+def assert_same_greedy(got: list[int], want: list[int], want_top: list[dict[str, float]]) -> None:
+    """Equal up to the first differing token, and that token a near-tie in the reference's logprobs."""
+    for i, (a, b) in enumerate(zip(got, want, strict=False)):
+        if a != b:
+            top = sorted(want_top[i].values(), reverse=True)
+            assert len(top) >= 2 and top[0] - top[1] < NEAR_TIE, (
+                f"greedy tokens part at {i} without a near-tie (top logprobs {top[:3]}): {got} vs {want}")
+            return
+    assert len(got) == len(want)
+
+
+def test_turn2_pulls_turn1_prompt_and_generated_blocks(pd_engines: PDEngines, driver: PDDriver,
+                                                       broker_stub: broker_pb2_grpc.KVBrokerStub) -> None:
+    t1 = first_turn(driver, broker_stub, pd_engines, "s-pull", seed=1)
+    lease = wait_lease(broker_stub, pd_engines.decode.engine_id, "s-pull", (len(t1.all_ids) - 1) // BS)
+    # The lease covers generated tokens too: its blocks reach past the prompt's full blocks.
+    assert len(lease.block_keys) * BS > len(t1.prompt_ids)
+    prompt2 = t1.all_ids + tokens(random.Random(2), 150)
+    before_p, bytes_before = source_counts(pd_engines.prefill.url), scrape(pd_engines.prefill.url)
+    # A fresh salt keeps the prefill engine's own prefix cache of turn 1 out: every matched block is pulled.
+    t2 = driver.turn(prompt2, max_tokens=8, session="s-pull", prefill_salt="turn-2")
+    after_p, bytes_after = source_counts(pd_engines.prefill.url), scrape(pd_engines.prefill.url)
+    assert t2.decision == "TRANSFER", t2
+    assert t2.matched_tokens == len(lease.block_keys) * BS
+    report = t2.report
+    assert report["pull_failed"] is False and report["local_tokens"] == 0
+    assert report["pulled_tokens"] == t2.matched_tokens and report["pulled_blocks"] == t2.matched_tokens // BS
+    assert report["computed_tokens"] == len(prompt2) - t2.matched_tokens
+    d = delta(after_p, before_p)
+    assert d["external_kv_transfer"] == t2.matched_tokens, d
+    assert d["local_compute"] == len(prompt2) - t2.matched_tokens, d
+    nixl = (metric(bytes_after, "vllm:nixl_bytes_transferred_sum")
+            - metric(bytes_before, "vllm:nixl_bytes_transferred_sum"))
+    assert nixl >= report["pulled_bytes"] > 0, (nixl, report)
+    print(f"\nturn 2: {len(prompt2)} tokens, pulled {report['pulled_blocks']} blocks "
+          f"({report['pulled_bytes']} B) in {report['pull_ms']} ms, computed {report['computed_tokens']}")
+
+
+def test_pull_only_what_the_local_prefix_cache_lacks(pd_engines: PDEngines, driver: PDDriver,
+                                                      broker_stub: broker_pb2_grpc.KVBrokerStub) -> None:
+    t1 = first_turn(driver, broker_stub, pd_engines, "s-local", seed=3)
+    prompt2 = t1.all_ids + tokens(random.Random(4), 150)
+    before = source_counts(pd_engines.prefill.url)
+    t2 = driver.turn(prompt2, max_tokens=4, session="s-local")  # no salt: turn 1's prompt is cached there
+    d = delta(source_counts(pd_engines.prefill.url), before)
+    local = (len(t1.prompt_ids) // BS) * BS
+    assert t2.decision == "TRANSFER" and t2.report["local_tokens"] == local, t2.report
+    assert t2.report["pulled_tokens"] == t2.matched_tokens - local > 0
+    assert d["local_cache_hit"] == local and d["external_kv_transfer"] == t2.matched_tokens - local, d
+
+
+def test_pulled_kv_matches_local_hit_and_recompute(pd_engines: PDEngines, driver: PDDriver,
+                                                   broker_stub: broker_pb2_grpc.KVBrokerStub) -> None:
+    t1 = first_turn(driver, broker_stub, pd_engines, "s-exact", seed=5, n=700)
+    prompt2 = t1.all_ids + tokens(random.Random(6), 120)
+    t2 = driver.turn(prompt2, max_tokens=12, session="s-exact", prefill_salt="exact-2", logprobs=5)
+    assert t2.decision == "TRANSFER" and t2.report["pulled_tokens"] > 0, t2
+    local_hit = aggregated(pd_engines, prompt2, max_tokens=12, salt="exact-2")  # turn 2's prefill cached it
+    recompute = aggregated(pd_engines, prompt2, max_tokens=12, salt="exact-recompute")
+    assert set(t2.first_logprobs) == set(local_hit["top"][0]), (t2.first_logprobs, local_hit["top"][0])
+    for token, logprob in t2.first_logprobs.items():
+        assert math.isclose(logprob, local_hit["top"][0][token], abs_tol=LOGPROB_TOLERANCE), (token, logprob)
+    assert_same_greedy(t2.output_ids, recompute["ids"], recompute["top"])
+
+
+def test_pull_under_threshold_is_skipped(pd_engines: PDEngines, driver: PDDriver,
+                                         broker_stub: broker_pb2_grpc.KVBrokerStub) -> None:
+    # Turn 1 of 200 tokens + 60 generated leaves two full blocks (256 tokens): under the broker's 300.
+    t1 = first_turn(driver, broker_stub, pd_engines, "s-small", seed=7, n=200, max_tokens=60)
+    before = source_counts(pd_engines.prefill.url)
+    t2 = driver.turn(t1.all_ids + tokens(random.Random(8), 100), max_tokens=4, session="s-small",
+                     prefill_salt="small-2")
+    assert t2.decision == "RECOMPUTE" and t2.reason == "below_threshold", t2
+    assert delta(source_counts(pd_engines.prefill.url), before)["external_kv_transfer"] == 0
+    assert t2.report["pulled_tokens"] == 0 and len(t2.output_ids) == 4
+
+
+def test_failed_pull_recomputes_without_hanging(pd_engines: PDEngines, driver: PDDriver,
+                                                broker_stub: broker_pb2_grpc.KVBrokerStub) -> None:
+    """The decode's blocks advertised as already expired: the prefill engine declines the read (upstream's
+    expiry check), and the request, which upstream 0.32 leaves waiting forever, is recomputed."""
+    t1 = first_turn(driver, broker_stub, pd_engines, "s-fail", seed=9)
+    prompt2 = t1.all_ids + tokens(random.Random(10), 150)
+    before = source_counts(pd_engines.prefill.url)
+    t0 = time.monotonic()
+    t2 = driver.turn(prompt2, max_tokens=8, session="s-fail", prefill_salt="fail-2",
+                     prefill_params={"remote_blocks_expiry_time": 0.0})
+    assert time.monotonic() - t0 < 60, "the failed pull took as long as a hang"
+    assert t2.decision == "TRANSFER" and t2.report["pull_failed"] is True, t2.report
+    d = delta(source_counts(pd_engines.prefill.url), before)
+    assert d["external_kv_transfer"] == 0 and d["local_compute"] == len(prompt2), d
+    reference = aggregated(pd_engines, prompt2, max_tokens=8, salt="fail-reference")
+    assert_same_greedy(t2.output_ids, reference["ids"], reference["top"])
+
+
+def test_evicted_lease_recomputes_and_frees_its_blocks(pd_engines: PDEngines, driver: PDDriver,
+                                                       broker_stub: broker_pb2_grpc.KVBrokerStub) -> None:
+    decode = pd_engines.decode
+    for lease in leases_of(broker_stub, decode.engine_id):  # a clean baseline: nothing retained
+        broker_stub.RenewLease(pb.RenewLeaseRequest(lease_id=lease.lease_id, ttl_s=1.0), timeout=5)
+    usage = lambda: metric(scrape(decode.url), "vllm:kv_cache_usage_perc")  # noqa: E731
+    wait_for(lambda: leases_of(broker_stub, decode.engine_id), lambda ls: not ls, timeout_s=30, what="no leases")
+    baseline = wait_for(usage, lambda u: u == 0.0, timeout_s=30, what="decode KV usage back to zero")
+    t1 = first_turn(driver, broker_stub, pd_engines, "s-evict", seed=11)
+    assert usage() > baseline
+    (lease,) = leases_of(broker_stub, decode.engine_id)
+    broker_stub.RenewLease(pb.RenewLeaseRequest(lease_id=lease.lease_id, ttl_s=1.0), timeout=5)  # expires in 1 s
+    wait_for(lambda: leases_of(broker_stub, decode.engine_id), lambda ls: not ls, timeout_s=30, what="lease expired")
+    wait_for(usage, lambda u: u == baseline, timeout_s=30, what="decode KV usage back to its baseline")
+    t2 = driver.turn(t1.all_ids + tokens(random.Random(12), 150), max_tokens=6, session="s-evict",
+                     prefill_salt="evict-2")
+    assert t2.decision == "RECOMPUTE" and t2.reason == "no_match" and len(t2.output_ids) == 6, t2
+
+
+@pytest.mark.stops_engines
+def test_killed_decode_engine_drops_its_leases_and_the_next_turn_recomputes(
+        pd_engines: PDEngines, driver: PDDriver, broker_stub: broker_pb2_grpc.KVBrokerStub,
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    t1 = first_turn(driver, broker_stub, pd_engines, "s-kill", seed=13)
+    old = pd_engines.decode
+    old._signal_group(signal.SIGKILL)  # vLLM dies at once; its sidecar sees the connector go
+    wait_for(lambda: leases_of(broker_stub, old.engine_id), lambda ls: not ls, timeout_s=30,
+             what="the killed engine's leases dropped")
+    old.stop()
+    config = EngineConfig(role="decode", model=pd_engines.model_dir, dtype="float32", max_model_len=4096,
+                          work_dir=tmp_path_factory.mktemp("decode-again"), kv_connector_extra_config=EXTRA_CONFIG,
+                          kv_role="kv_consumer", omp_threads_bind=split_cpus(2)[1], connector="kvloop",
+                          broker=pd_engines.broker, engine_id="decode-test-2")
+    fresh: EngineProcess = spawn_engine(plan_engine(config))
+    try:
+        fresh.wait_ready(ENGINE_START_TIMEOUT_S)
+        wait_for(lambda: engines_registered(broker_stub), lambda ids: "decode-test-2" in ids, timeout_s=60,
+                 what="the new decode engine registered")
+        driver.engines["decode-test-2"] = fresh.url
+        t2 = driver.turn(t1.all_ids + tokens(random.Random(14), 150), max_tokens=6, session="s-kill")
+        assert t2.decision in ("RECOMPUTE", "LOCAL") and t2.decode_engine == "decode-test-2", t2
+        assert len(t2.output_ids) == 6
+    finally:
+        fresh.stop()
