@@ -1,0 +1,237 @@
+"""The engine sidecar against a real broker process, with a fake connector on its Unix socket.
+
+``FakeConnector`` speaks the connector's side of ``kvloop.v1.EngineLink`` the way engines/connector.py
+does (hello, retained, freed) and records the commands it gets; everything else is real: the sidecar's
+gRPC server, the broker, leases, TTL expiry, the eviction stream. ``EngineLinkClient`` (the connector's
+thread) is tested against the real sidecar too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from engines.link import EngineLinkClient
+from engines.sidecar import SidecarConfig, serve
+from kvloop.hashing import ExtraKeys, block_keys
+from kvloop.v1 import broker_pb2 as pb
+from kvloop.v1 import engine_link_pb2 as lpb
+from kvloop.v1 import engine_link_pb2_grpc
+from tests.integration.conftest import ModuleBrokerFactory
+from tests.integration.helpers import Broker, poll
+
+pytestmark = pytest.mark.slow
+FP = "fp-sidecar-test"
+
+
+class FakeConnector:
+    """A connector stand-in (fake): an Attach stream fed from a queue, commands collected."""
+
+    def __init__(self, socket_path: Path) -> None:
+        self.channel = grpc.aio.insecure_channel(f"unix://{socket_path}")
+        self.events: asyncio.Queue[lpb.ConnectorEvent | None] = asyncio.Queue()
+        self.commands: list[lpb.ConnectorCommand] = []
+        self.call: Any = None
+        self.reader: asyncio.Task[None] | None = None
+
+    async def _outgoing(self) -> AsyncIterator[lpb.ConnectorEvent]:
+        while (event := await self.events.get()) is not None:
+            yield event
+
+    async def attach(self, hello: lpb.ConnectorHello) -> None:
+        self.call = engine_link_pb2_grpc.EngineLinkStub(self.channel).Attach(self._outgoing(), wait_for_ready=True)
+        self.events.put_nowait(lpb.ConnectorEvent(hello=hello))
+
+        async def read() -> None:
+            async for command in self.call:
+                self.commands.append(command)
+
+        self.reader = asyncio.create_task(read())
+
+    def released(self) -> set[str]:
+        return {rid for c in self.commands for rid in c.release_request_ids}
+
+    def held(self) -> set[str]:
+        return {rid for c in self.commands for rid in c.hold_request_ids}
+
+    async def close(self) -> None:
+        self.events.put_nowait(None)
+        if self.reader is not None:
+            with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                await asyncio.wait_for(self.reader, 5)
+        await self.channel.close()
+
+
+@contextlib.asynccontextmanager
+async def running_sidecar(tmp_path: Path, broker: str, engine_id: str, **overrides: Any
+                          ) -> AsyncIterator[SidecarConfig]:
+    values: dict[str, Any] = dict(engine_id=engine_id, role="decode", broker=broker, socket=tmp_path / "s.sock",
+                                  engine_url="http://127.0.0.1:9", nixl_address="127.0.0.1:5600",
+                                  layout_fingerprint=FP, retention_fraction=0.5, log_format="console")
+    values.update(overrides)
+    config = SidecarConfig(**values)
+    config.validate()
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve(config, stop))
+    await poll(lambda: asyncio.sleep(0, config.socket.exists()), bool, timeout_s=10, what="sidecar socket")  # type: ignore[union-attr]
+    try:
+        yield config
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
+def hello(engine_id: str, blocks: int = 100) -> lpb.ConnectorHello:
+    return lpb.ConnectorHello(engine_id=engine_id, incarnation=f"inc-{time.monotonic_ns()}", block_size=128,
+                              num_blocks=blocks, bytes_per_block=4096, kv_role_decode=True)
+
+
+def retained(request_id: str, n_tokens: int, first_block: int = 0) -> lpb.ConnectorEvent:
+    n_blocks = n_tokens // 128
+    return lpb.ConnectorEvent(retained=lpb.Retained(
+        request_id=request_id, token_ids=list(range(n_tokens)),
+        block_ids=list(range(first_block, first_block + n_blocks)), session_id="sess", hold_s=60))
+
+
+async def engine_status(broker: Broker, engine_id: str) -> pb.EngineStatus | None:
+    reply = await broker.inspect()
+    return next((e for e in reply.engines if e.engine.engine_id == engine_id), None)
+
+
+async def leases(broker: Broker, engine_id: str) -> list[pb.Lease]:
+    return [lease for lease in (await broker.inspect()).leases if lease.engine_id == engine_id]
+
+
+@pytest.fixture(scope="module")
+def broker_address(start_module_broker: ModuleBrokerFactory) -> str:
+    proc = start_module_broker("sidecar-broker", "--keepalive-interval-s", "0.5", "--engine-ttl-s", "3",
+                               "--tick-interval-s", "0.1")
+    return proc.extra["address"]
+
+
+async def test_registers_publishes_and_relays_expiry(tmp_path: Path, broker_address: str) -> None:
+    broker = Broker(broker_address)
+    connector = FakeConnector(tmp_path / "s.sock")
+    try:
+        async with running_sidecar(tmp_path, broker_address, "dec-a"):
+            await connector.attach(hello("dec-a", blocks=100))
+            status = await poll(lambda: engine_status(broker, "dec-a"), lambda s: s is not None, timeout_s=10,
+                                what="engine registered")
+            assert status is not None and status.engine.retention_budget_blocks == 50
+            assert status.engine.addresses.nixl == "127.0.0.1:5600" and status.engine.layout_fingerprint == FP
+            connector.events.put_nowait(retained("req-1", 300))  # two full blocks and a partial one
+            (lease,) = await poll(lambda: leases(broker, "dec-a"), lambda ls: len(ls) == 1, timeout_s=10,
+                                  what="lease published")
+            assert list(lease.block_keys) == block_keys(list(range(256)), 128, ExtraKeys(FP))
+            assert list(lease.block_ids) == [0, 1] and lease.num_tokens == 256 and lease.session_id == "sess"
+            # The sidecar renews the engine-side hold while the lease lives.
+            await poll(lambda: asyncio.sleep(0, connector.held()), lambda h: "req-1" in h, timeout_s=10,
+                       what="hold renewed")
+            await broker.stub.RenewLease(pb.RenewLeaseRequest(lease_id=lease.lease_id, ttl_s=1.0), timeout=5)
+            await poll(lambda: asyncio.sleep(0, connector.released()), lambda r: "req-1" in r, timeout_s=10,
+                       what="release command after the lease expired")
+    finally:
+        await connector.close()
+        await broker.close()
+
+
+async def test_detached_connector_drops_the_engine_and_its_leases(tmp_path: Path, broker_address: str) -> None:
+    broker = Broker(broker_address)
+    connector = FakeConnector(tmp_path / "s.sock")
+    try:
+        async with running_sidecar(tmp_path, broker_address, "dec-b"):
+            await connector.attach(hello("dec-b"))
+            connector.events.put_nowait(retained("req-2", 512))
+            await poll(lambda: leases(broker, "dec-b"), lambda ls: len(ls) == 1, timeout_s=10, what="lease")
+            await connector.close()  # the EngineCore died
+            await poll(lambda: engine_status(broker, "dec-b"), lambda s: s is None, timeout_s=10,
+                       what="engine deregistered")
+            assert await leases(broker, "dec-b") == []
+    finally:
+        await broker.close()
+
+
+async def test_publication_refused_releases_the_blocks(tmp_path: Path, broker_address: str) -> None:
+    """Budget 2 blocks: a 4-block lease is refused by the broker, and the connector is told to free it."""
+    broker = Broker(broker_address)
+    connector = FakeConnector(tmp_path / "s.sock")
+    try:
+        async with running_sidecar(tmp_path, broker_address, "dec-c", retention_fraction=0.5):
+            await connector.attach(hello("dec-c", blocks=4))
+            await poll(lambda: engine_status(broker, "dec-c"), lambda s: s is not None, timeout_s=10, what="engine")
+            connector.events.put_nowait(retained("req-big", 4 * 128))
+            await poll(lambda: asyncio.sleep(0, connector.released()), lambda r: "req-big" in r, timeout_s=10,
+                       what="release of a lease the broker refused")
+            assert await leases(broker, "dec-c") == []
+    finally:
+        await connector.close()
+        await broker.close()
+
+
+def test_bad_sidecar_config_names_the_field(tmp_path: Path) -> None:
+    from kvloop.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^retention_fraction"):
+        SidecarConfig.load({}, env={"KVLOOP_SIDECAR_ENGINE_ID": "e", "KVLOOP_SIDECAR_BROKER": "127.0.0.1:1",
+                                    "KVLOOP_SIDECAR_SOCKET": str(tmp_path / "s"),
+                                    "KVLOOP_SIDECAR_ENGINE_URL": "http://x:1",
+                                    "KVLOOP_SIDECAR_LAYOUT_FINGERPRINT": "f",
+                                    "KVLOOP_SIDECAR_RETENTION_FRACTION": "1.5"})
+    with pytest.raises(ConfigError, match=r"^broker"):
+        SidecarConfig.load({}, env={"KVLOOP_SIDECAR_ENGINE_ID": "e", "KVLOOP_SIDECAR_BROKER": "nohost",
+                                    "KVLOOP_SIDECAR_SOCKET": str(tmp_path / "s"),
+                                    "KVLOOP_SIDECAR_ENGINE_URL": "http://x:1",
+                                    "KVLOOP_SIDECAR_LAYOUT_FINGERPRINT": "f"})
+
+
+def test_link_client_releases_on_its_own_when_the_hold_runs_out(tmp_path: Path) -> None:
+    """The connector's thread with no sidecar at all: a tracked request whose safety hold passes is released,
+    and the engine is woken to apply it; ``send`` never blocks."""
+    woken = threading.Event()
+    client = EngineLinkClient(str(tmp_path / "nobody.sock"), hello("x"), woken.set, tick_s=0.05)
+    client.start()
+    try:
+        client.track("req-x", time.monotonic() + 0.2)
+        assert client.send(retained("req-x", 256))  # queued for a sidecar that is not there
+        assert woken.wait(5), "the engine was not woken"
+        commands = client.commands()
+        assert [c.release for c in commands] == [["req-x"]]
+        assert not client.pending()
+    finally:
+        client.stop()
+
+
+def test_link_client_reports_to_a_real_sidecar(tmp_path: Path, broker_address: str) -> None:
+    """EngineLinkClient (the connector's thread) against the real sidecar: hello registers, retained
+    publishes, and the sidecar's hold commands extend the safety hold past its first deadline."""
+    done = threading.Event()
+    result: dict[str, Any] = {}
+
+    async def scenario() -> None:
+        broker = Broker(broker_address)
+        async with running_sidecar(tmp_path, broker_address, "dec-d"):
+            client = EngineLinkClient(str(tmp_path / "s.sock"), hello("dec-d"), lambda: None, tick_s=0.05)
+            client.start()
+            try:
+                client.track("req-d", time.monotonic() + 1.5)
+                client.send(retained("req-d", 384))
+                result["leases"] = await poll(lambda: leases(broker, "dec-d"), lambda ls: len(ls) == 1,
+                                              timeout_s=10, what="lease via the link client")
+                await asyncio.sleep(2.5)  # past the first deadline: holds from the sidecar must have extended it
+                result["released"] = [c.release for c in client.commands() if c.release]
+            finally:
+                client.stop()
+                await broker.close()
+        done.set()
+
+    asyncio.run(scenario())
+    assert done.is_set() and len(result["leases"][0].block_keys) == 3
+    assert result["released"] == [], "the safety hold ran out although the sidecar renewed it"
