@@ -52,6 +52,7 @@ from kvloop.client import BrokerClient
 from kvloop.config import ServiceConfig, parse_host_port, setting
 from kvloop.errors import ConfigError
 from kvloop.hashing import ExtraKeys, block_keys
+from kvloop.pd import BANDWIDTH_SAMPLE_MIN_BYTES
 from kvloop.telemetry import LOG_FORMATS, LOG_LEVELS, configure_logging, configure_tracing
 from kvloop.v1 import broker_pb2 as pb
 from kvloop.v1 import engine_link_pb2 as lpb
@@ -159,6 +160,7 @@ class Sidecar(engine_link_pb2_grpc.EngineLinkServicer):
         self.by_lease: dict[str, str] = {}    # lease id -> request id
         self.prefill_tokens_per_s = 0.0
         self.transfer_bytes_per_s = 0.0
+        self.engine_figures: dict[str, float] = {}
         self._outbox: asyncio.Queue[lpb.ConnectorCommand] | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._engine_tasks: list[asyncio.Task[Any]] = []
@@ -285,10 +287,29 @@ class Sidecar(engine_link_pb2_grpc.EngineLinkServicer):
             delay = 0.1
 
     async def _keepalive_loop(self) -> None:
-        """Returns when the broker no longer knows the engine (re-register) or stays unreachable too long."""
+        """Returns when the broker no longer knows the engine (re-register) or stays unreachable too long.
+
+        The engine's figures come from a separate sampler: a slow ``/metrics`` (seen here taking minutes on a
+        loaded machine) must never delay a keep-alive, or the broker drops a healthy engine."""
+        sampler = asyncio.create_task(self._sample_load_forever())
+        try:
+            await self._keepalives()
+        finally:
+            sampler.cancel()
+
+    async def _sample_load_forever(self) -> None:
+        while True:
+            try:
+                self.engine_figures = await asyncio.wait_for(
+                    asyncio.to_thread(scrape_engine_load, self.config.engine_url), timeout=5.0)
+            except (OSError, ValueError, TimeoutError) as exc:
+                log.debug("engine.metrics_unavailable", error=str(exc))
+            await asyncio.sleep(self.keepalive_interval_s)
+
+    async def _keepalives(self) -> None:
         failures = 0
         while True:
-            load = await self._load()
+            load = self._load()
             try:
                 await self.broker.call("KeepAlive", pb.KeepAliveRequest(engine_id=self.config.engine_id, load=load))
                 failures = 0
@@ -305,15 +326,11 @@ class Sidecar(engine_link_pb2_grpc.EngineLinkServicer):
                 self._command(lpb.ConnectorCommand(hold_request_ids=list(self.held), hold_s=self.config.hold_s))
             await asyncio.sleep(self.keepalive_interval_s)
 
-    async def _load(self) -> pb.EngineLoad:
+    def _load(self) -> pb.EngineLoad:
         load = pb.EngineLoad(prefill_tokens_per_s=self.prefill_tokens_per_s,
                              transfer_bytes_per_s=self.transfer_bytes_per_s,
                              bytes_per_block=self.hello.bytes_per_block if self.hello else 0)
-        try:
-            figures = await asyncio.to_thread(scrape_engine_load, self.config.engine_url)
-        except (OSError, ValueError) as exc:
-            log.debug("engine.metrics_unavailable", error=str(exc))
-            return load
+        figures = self.engine_figures
         load.running_requests = int(figures.get("running", 0))
         load.waiting_requests = int(figures.get("waiting", 0))
         load.kv_usage = min(1.0, max(0.0, figures.get("kv_usage", 0.0)))
@@ -401,7 +418,7 @@ class Sidecar(engine_link_pb2_grpc.EngineLinkServicer):
         if done.computed_tokens >= 256 and done.compute_s > 0:
             self.prefill_tokens_per_s = _ewma(self.prefill_tokens_per_s, done.computed_tokens / done.compute_s)
             self.metrics.prefill_tps.set(self.prefill_tokens_per_s)
-        if done.pulled_bytes and done.pull_s > 0 and not done.pull_failed:
+        if done.pulled_bytes >= BANDWIDTH_SAMPLE_MIN_BYTES and done.pull_s > 0 and not done.pull_failed:
             self.transfer_bytes_per_s = _ewma(self.transfer_bytes_per_s, done.pulled_bytes / done.pull_s)
             self.metrics.transfer_bps.set(self.transfer_bytes_per_s)
 

@@ -29,6 +29,11 @@ from kvloop.v1 import broker_pb2 as pb
 from kvloop.v1 import broker_pb2_grpc
 
 LEASE_READ_PREFIX = "kvloop-lease-"  # engines.connector.LEASE_READ_PREFIX (that module imports vLLM)
+BANDWIDTH_SAMPLE_MIN_BYTES = 8 << 20
+"""Pulls smaller than this teach no bandwidth: their time is the fixed per-pull cost (an engine step, the
+notification, the first handshake), which the broker's cost model counts as ``transfer_overhead_s``. Seen
+here: 2.6 MB in 66 ms, i.e. 40 MB/s "bandwidth" from a link that moves ~7 GB/s, which made every later
+pull look dearer than recomputing."""
 
 
 def post_json(url: str, body: dict[str, Any], timeout_s: float = 300.0) -> dict[str, Any]:
@@ -121,9 +126,10 @@ class PDDriver:
         report = dict(p_params.pop("kvloop", {}) or {})
         if pin is not None:
             with_err = bool(report.get("pull_failed")) or not report
-            self.stub.CompleteTransfer(pb.CompleteTransferRequest(
-                pin_id=pin.pin_id, success=not with_err, bytes=int(report.get("pulled_bytes", 0)),
-                duration_s=float(report.get("pull_ms", 0.0)) / 1e3), timeout=10)
+            nbytes = int(report.get("pulled_bytes", 0))
+            duration = float(report.get("pull_ms", 0.0)) / 1e3 if nbytes >= BANDWIDTH_SAMPLE_MIN_BYTES else 0.0
+            self.stub.CompleteTransfer(pb.CompleteTransferRequest(pin_id=pin.pin_id, success=not with_err,
+                                                                  bytes=nbytes, duration_s=duration), timeout=10)
         decode_id = plan.decode_engine_id
         p_params["kvloop_session_id"] = session
         body = {"model": self.model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,

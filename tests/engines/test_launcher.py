@@ -267,7 +267,7 @@ def test_cli_rejects_a_bad_value_with_exit_code_2(tmp_path: Path) -> None:
 def test_command_and_environment(tmp_path: Path) -> None:
     config = _config(tmp_path, role="decode", port=8100, nixl_port=5601, dtype="float32", max_model_len=2048,
                      kv_connector_extra_config='{"kv_lease_duration": 60}', extra_vllm_args="--max-num-seqs 4",
-                     engine_id="d-1", served_model_name="tiny")
+                     engine_id="d-1", served_model_name="tiny", connector="nixl")
     plan = plan_engine(config)
     argv = plan.argv
     assert argv[1:5] == ["-m", "engines.vllm_entry", "serve", str(config.model)]
@@ -298,6 +298,22 @@ def test_command_and_environment(tmp_path: Path) -> None:
     kv = json.loads(build_command(kvloop, engine_id="x", port=1)[build_command(kvloop, engine_id="x", port=1)
                                                                     .index("--kv-transfer-config") + 1])
     assert kv["kv_connector_module_path"] == "engines.connector"
+    # kvloop's connector: decode-to-prefill mode, failed pulls recompute; no broker, so no sidecar.
+    assert kv["kv_load_failure_policy"] == "recompute" and kv["kv_connector_extra_config"]["bidirectional_kv_xfer"]
+    assert "kvloop_sidecar_socket" not in kv["kv_connector_extra_config"]
+    assert plan_engine(kvloop).sidecar_env is None
+    with_broker = plan_engine(dataclasses.replace(kvloop, broker="127.0.0.1:50051", role="decode", dtype="float32"))
+    assert with_broker.sidecar_env is not None and with_broker.sidecar_socket is not None
+    kv = json.loads(dict(itertools.pairwise(with_broker.argv))["--kv-transfer-config"])
+    assert kv["kv_connector_extra_config"]["kvloop_sidecar_socket"] == str(with_broker.sidecar_socket)
+    side = with_broker.sidecar_env
+    assert side["KVLOOP_SIDECAR_BROKER"] == "127.0.0.1:50051" and side["KVLOOP_SIDECAR_ROLE"] == "decode"
+    assert side["KVLOOP_SIDECAR_NIXL_ADDRESS"] == f"127.0.0.1:{with_broker.nixl_port}"
+    assert side["KVLOOP_SIDECAR_ENGINE_URL"] == with_broker.url
+    # The sidecar accepts exactly what the launcher gives it.
+    from engines.sidecar import SidecarConfig
+
+    assert SidecarConfig.load({}, env=side).engine_id == with_broker.engine_id
     assert build_env(config, work_dir=work, run_dir=work / "run" / "x", nixl_port=1,
                      base={"UCX_TLS": "tcp"})["UCX_TLS"] == "tcp"  # an operator's choice is kept
 

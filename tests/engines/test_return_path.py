@@ -233,7 +233,7 @@ def test_evicted_lease_recomputes_and_frees_its_blocks(pd_engines: PDEngines, dr
     assert t2.decision == "RECOMPUTE" and t2.reason == "no_match" and len(t2.output_ids) == 6, t2
 
 
-@pytest.mark.stops_engines
+@pytest.mark.stops_engines(order=0)  # before the test that stops every shared engine; leaves a new decode engine
 def test_killed_decode_engine_drops_its_leases_and_the_next_turn_recomputes(
         pd_engines: PDEngines, driver: PDDriver, broker_stub: broker_pb2_grpc.KVBrokerStub,
         tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -248,13 +248,12 @@ def test_killed_decode_engine_drops_its_leases_and_the_next_turn_recomputes(
                           kv_role="kv_consumer", omp_threads_bind=split_cpus(2)[1], connector="kvloop",
                           broker=pd_engines.broker, engine_id="decode-test-2")
     fresh: EngineProcess = spawn_engine(plan_engine(config))
-    try:
-        fresh.wait_ready(ENGINE_START_TIMEOUT_S)
-        wait_for(lambda: engines_registered(broker_stub), lambda ids: "decode-test-2" in ids, timeout_s=60,
-                 what="the new decode engine registered")
-        driver.engines["decode-test-2"] = fresh.url
-        t2 = driver.turn(t1.all_ids + tokens(random.Random(14), 150), max_tokens=6, session="s-kill")
-        assert t2.decision in ("RECOMPUTE", "LOCAL") and t2.decode_engine == "decode-test-2", t2
-        assert len(t2.output_ids) == 6
-    finally:
-        fresh.stop()
+    pd_engines.replacements.append(fresh)  # stopped at teardown (stop is idempotent)
+    pd_engines.decode = fresh  # the shared decode engine from now on
+    fresh.wait_ready(ENGINE_START_TIMEOUT_S)
+    wait_for(lambda: engines_registered(broker_stub), lambda ids: "decode-test-2" in ids, timeout_s=60,
+             what="the new decode engine registered")
+    driver.engines["decode-test-2"] = fresh.url
+    t2 = driver.turn(t1.all_ids + tokens(random.Random(14), 150), max_tokens=6, session="s-kill")
+    assert t2.decision in ("RECOMPUTE", "LOCAL") and t2.decode_engine == "decode-test-2", t2
+    assert len(t2.output_ids) == 6
