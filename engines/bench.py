@@ -56,8 +56,12 @@ def group_cpu_seconds(pgid: int, extra_pids: tuple[int, ...] = ()) -> float:
     return total / CLK_TCK
 
 
-def idle_cpu(engines: list[EngineProcess], seconds: float) -> dict[str, float]:
-    """CPU-seconds per second of each engine (with its sidecar) over the same ``seconds``."""
+def idle_cpu(engines: list[EngineProcess], seconds: float, settle_s: float = 3.0) -> dict[str, float]:
+    """CPU-seconds per second of each engine (with its sidecar) over the same ``seconds``, starting ``settle_s``
+    after the last request (vLLM's CPU worker spins for a second after every step it runs: that is the
+    step's cost, not idling)."""
+    time.sleep(settle_s)
+
     def sample() -> dict[str, float]:
         return {e.engine_id: group_cpu_seconds(e.pgid, (e.sidecar.popen.pid,) if e.sidecar else ())
                 for e in engines}

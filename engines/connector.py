@@ -24,11 +24,12 @@ decode-to-prefill (``bidirectional_kv_xfer``) mode, with these changes:
   WAITING_FOR_REMOTE_KVS forever with its blocks held. Here a request whose remote blocks were already
   processed gets ``(0, False)``: one pull attempt, then local recompute.
 - **Idle engines sleep.** NIXL's progress thread gets a poll delay (see :func:`_nixl_progress_delay`), and
-  vLLM's EngineCore steps without pause while any finished request still holds
-  blocks (``Scheduler.has_finished_requests``), so a decode engine holding retained KV burned a core
-  doing nothing. Retained requests with nothing to apply no longer count as work; when a command
-  arrives the link thread wakes the busy loop with a no-op on its input queue (an ``ABORT`` of no
-  request), and the step that follows applies it.
+  vLLM's EngineCore steps without pause while any finished request still holds blocks
+  (``Scheduler.has_finished_requests``), so a decode engine holding retained KV burned a core doing
+  nothing (and vLLM's CPU worker spins for a second after every step, a second core). Retained requests
+  with nothing to apply no longer count as work; when a release arrives the link thread wakes the busy
+  loop with a no-op on its input queue (an ``ABORT`` of no request), and the step that follows applies
+  it. Hold renewals stay on the link thread and take no step.
 
 Importing this module starts nothing: the API server imports it for metrics.
 """
@@ -61,6 +62,11 @@ LEASE_READ_PREFIX = "kvloop-lease-"
 
 DEFAULT_HOLD_S = 900.0
 """Engine-side safety hold of retained blocks without news from the sidecar (above the broker's TTLs)."""
+
+WORKER_DEADLINE_S = 86400.0
+"""The deadline retained blocks get on the workers. The safety hold is kept by the link thread, which
+releases through the scheduler when it lapses; renewing it on the workers would take an engine step per
+renewal (see :meth:`engines.link.EngineLinkClient._deliver`). A day bounds a leak if that thread died."""
 
 logger = init_logger("kvloop.connector")
 
@@ -255,7 +261,7 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
         retained = _RetainedRequest(token_ids=token_ids, block_ids=blocks,
                                     session_id=str(params.get("kvloop_session_id") or ""))
         self._retained[rid] = retained
-        self._reqs_need_send[rid] = time.perf_counter() + self.hold_s
+        self._reqs_need_send[rid] = time.perf_counter() + WORKER_DEADLINE_S
         self._link.track(rid, time.monotonic() + self.hold_s)
         if not self._link.send(self._retained_event(rid, retained)):
             logger.warning("kvloop: engine link queue full; %s retained but not published", rid)
@@ -277,9 +283,6 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
                 if self._retained.pop(rid, None) is not None:
                     self._reqs_need_send[rid] = now  # the workers free it at this step
                     self._link.send(lpb.ConnectorEvent(freed=lpb.Freed(request_id=rid, why="released")))
-            for rid in command.hold:
-                if rid in self._retained:
-                    self._reqs_need_send[rid] = now + max(command.hold_s, 1.0)
 
     def shutdown(self) -> None:
         if self._link is not None:

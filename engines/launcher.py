@@ -117,13 +117,24 @@ def plan_engine(config: EngineConfig) -> EnginePlan:
                       sidecar_env=sidecar_env)
 
 
+def short_path(path: Path, room: int, prefix: str) -> Path:
+    """``path`` when ``room`` more characters still fit a Unix socket path (107), else a short one under /tmp.
+    vLLM and ZMQ put sockets in these folders; a deep work directory (pytest's, a CI checkout) overflows."""
+    if len(str(path)) + room < 100:
+        return path
+    return Path("/tmp") / f"{prefix}-{hashlib.sha256(str(path).encode()).hexdigest()[:16]}"
+
+
+def rpc_dir(run_dir: Path) -> Path:
+    """VLLM_RPC_BASE_PATH: vLLM adds ``/<uuid4>`` (37 characters) for its IPC sockets."""
+    return short_path(run_dir / "rpc", 38, "kvloop-rpc")
+
+
 def sidecar_socket_path(run_dir: Path, engine_id: str) -> Path:
     """``run_dir/sidecar.sock``, or a short path under /tmp when that is too long for a Unix socket."""
     path = run_dir / "sidecar.sock"
-    if len(str(path)) < 100:
-        return path
-    digest = hashlib.sha256(str(path).encode()).hexdigest()[:16]
-    return Path("/tmp") / f"kvloop-{digest}.sock"
+    short = short_path(path, 0, "kvloop-sidecar")
+    return path if short == path else short.with_suffix(".sock")
 
 
 def build_sidecar_env(config: EngineConfig, *, engine_id: str, port: int, nixl_port: int,
@@ -206,7 +217,7 @@ def build_env(config: EngineConfig, *, work_dir: Path, run_dir: Path, nixl_port:
         "XDG_CACHE_HOME": cache,
         "XDG_CONFIG_HOME": conf,
         "TMPDIR": run_dir / "tmp",
-        "VLLM_RPC_BASE_PATH": run_dir / "rpc",
+        "VLLM_RPC_BASE_PATH": rpc_dir(run_dir),
     }
     env.update({k: str(v) for k, v in paths.items()})
     env.update(VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_LOGGING_LEVEL=config.log_level.upper(),
@@ -388,6 +399,7 @@ class EngineProcess:
             self.popen.wait(1)
         if not self.group_alive():
             shutil.rmtree(self.plan.run_dir, ignore_errors=True)
+            shutil.rmtree(self.plan.env["VLLM_RPC_BASE_PATH"], ignore_errors=True)
         return self.popen.returncode
 
     def _signal_group(self, sig: int) -> None:
@@ -418,7 +430,7 @@ def spawn_engine(plan: EnginePlan, *, die_with_parent: bool = True) -> EnginePro
     ``die_with_parent`` asks Linux to SIGTERM the engine when the *thread* that started it ends; leave
     it on when starting from the main thread, turn it off from a short-lived worker thread."""
     shutil.rmtree(plan.run_dir, ignore_errors=True)  # left by an engine of the same id that was killed
-    for d in (plan.run_dir / "tmp", plan.run_dir / "rpc", plan.log_path.parent, plan.work_dir / "cache",
+    for d in (plan.run_dir / "tmp", Path(plan.env["VLLM_RPC_BASE_PATH"]), plan.log_path.parent, plan.work_dir / "cache",
               plan.work_dir / "config"):
         d.mkdir(parents=True, exist_ok=True)
     with plan.log_path.open("ab") as log:

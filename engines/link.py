@@ -35,7 +35,8 @@ _STOP = object()
 
 @dataclass
 class Command:
-    """What the connector applies at its next step: free these requests, or hold these ``hold_s`` longer."""
+    """A command from the sidecar: free these requests (applied by the connector at its next step), or hold
+    these ``hold_s`` longer (applied here, to the safety-hold deadlines)."""
 
     release: list[str] = field(default_factory=list)
     hold: list[str] = field(default_factory=list)
@@ -49,7 +50,8 @@ class EngineLinkClient:
     Safety holds: :meth:`track` registers a retained request with a deadline (monotonic seconds);
     a hold command pushes it later. When a deadline passes (the sidecar went silent: it died, or lost
     its broker for longer than the hold), the thread issues a release itself, so blocks never outlive
-    their coordination by more than one hold."""
+    their coordination by more than one hold. This thread is the safety net; the workers' own deadline
+    for retained blocks is far beyond it (:data:`engines.connector.WORKER_DEADLINE_S`)."""
 
     MAX_QUEUED = 4096
     BACKOFF_S = (0.05, 0.2, 0.5, 1.0, 2.0)
@@ -101,10 +103,6 @@ class EngineLinkClient:
         with self._holds_lock:
             self._holds[request_id] = deadline
 
-    def untrack(self, request_id: str) -> None:
-        with self._holds_lock:
-            self._holds.pop(request_id, None)
-
     def stop(self, timeout_s: float = 2.0) -> None:
         self._stop.set()
         with contextlib.suppress(queue.Full):
@@ -118,6 +116,9 @@ class EngineLinkClient:
     # The thread.
 
     def _deliver(self, command: Command) -> None:
+        # Holds only move this thread's deadlines: they need no engine step. (Waking the engine for them
+        # made an idle decode engine step every keep-alive, and vLLM's CPU worker spins for a second after
+        # every step: a whole core, measured.) Only releases reach the scheduler.
         if command.hold:
             now = time.monotonic()
             with self._holds_lock:
@@ -126,8 +127,8 @@ class EngineLinkClient:
                         self._holds[rid] = max(self._holds[rid], now + command.hold_s)
         if command.release:
             self.untrack_many(command.release)
-        self._commands.append(command)
-        self.wake()
+            self._commands.append(Command(release=command.release))
+            self.wake()
 
     def untrack_many(self, request_ids: list[str]) -> None:
         with self._holds_lock:

@@ -92,50 +92,37 @@ def _broker_status(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    """The local cluster. Today: the broker on the embedded store (engines and router come next)."""
-    from broker.config import BrokerConfig
-    from broker.server import SERVICE_NAME, start_broker
-    from kvloop.client import wait_serving
-    from kvloop.telemetry import configure_logging, configure_tracing
+    from kvloop.cluster import up_main
 
-    config = BrokerConfig.load({"listen": args.listen, "metrics_listen": args.metrics_listen,
-                                "log_level": "warning"})
-    configure_logging(config.log_format, config.log_level)
-    provider = configure_tracing("kvloop-broker")
+    return up_main(args)
 
-    async def run() -> None:
-        import signal
 
-        running = await start_broker(config)
-        address = f"127.0.0.1:{running.port}"
-        try:
-            await wait_serving(address, SERVICE_NAME, timeout_s=30)
-            print(f"kvloop up: broker serving at {address} (store memory), metrics at "
-                  f"http://127.0.0.1:{running.metrics_port}/metrics")
-            print(format_status(await _inspect(address, 5.0)))
-            if args.once:
-                return
-            print("Ctrl-C to stop.", flush=True)
-            stop = asyncio.Event()
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, stop.set)
-            await stop.wait()
-        finally:
-            await running.stop()
+def _demo(args: argparse.Namespace) -> int:
+    from kvloop.cluster import demo_main
 
-    try:
-        asyncio.run(run())
-    finally:
-        if provider is not None:
-            provider.shutdown()
-    return 0
+    return demo_main(args)
 
 
 def _bench_broker(args: argparse.Namespace) -> int:
     from broker.bench import main as bench_main
 
     return bench_main(args)
+
+
+def _router(args: argparse.Namespace) -> int:
+    from kvloop.telemetry import configure_logging, configure_tracing
+    from router.config import RouterConfig
+    from router.server import serve
+
+    config = RouterConfig.load(args)
+    configure_logging(config.log_format, config.log_level)
+    provider = configure_tracing("kvloop-router", console_spans=config.console_spans)
+    try:
+        run_async(serve(config))
+    finally:
+        if provider is not None:
+            provider.shutdown()
+    return 0
 
 
 def _bench_engines(args: argparse.Namespace) -> int:
@@ -161,11 +148,16 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--timeout", type=float, default=5.0, help="RPC deadline in seconds")
     status.set_defaults(func=_broker_status)
 
-    up = sub.add_parser("up", help="start a local kvloop cluster (today: the broker on the memory store)")
-    up.add_argument("--listen", default="127.0.0.1:0", help="broker gRPC address (port 0 = any free port)")
-    up.add_argument("--metrics-listen", default="127.0.0.1:0", help="broker metrics address")
-    up.add_argument("--once", action="store_true", help="print the status and stop instead of serving")
+    from kvloop.cluster import add_arguments as add_up_arguments
+    from kvloop.cluster import demo_add_arguments
+
+    up = sub.add_parser("up", help="the local cluster: broker, 2 prefill + 1 decode engines with sidecars, router; "
+                                   "then a demo session")
+    add_up_arguments(up)
     up.set_defaults(func=_up)
+    demo = sub.add_parser("demo", help="a scripted agent session through a running router, turn by turn")
+    demo_add_arguments(demo)
+    demo.set_defaults(func=_demo)
 
     model = sub.add_parser("model", help="local models").add_subparsers(dest="model_command", required=True)
     tiny = model.add_parser("tiny", help="build (and briefly train) a tiny causal LM with a tokenizer, no downloads")
@@ -174,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_model_arguments(tiny)
     tiny.set_defaults(func=model_main)
+
+    from router.config import RouterConfig
+
+    router = sub.add_parser("router", help="run the KV-aware OpenAI-compatible router")
+    RouterConfig.add_arguments(router)
+    router.set_defaults(func=_router)
 
     engine = sub.add_parser("engine", help="run a vLLM engine with the kvloop connector (and its sidecar)")
     from engines.launcher import add_arguments as add_engine_arguments

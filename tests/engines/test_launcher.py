@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from engines.config import EngineConfig, is_cpu_build
-from engines.launcher import EngineProcess, build_command, build_env, plan_engine, start_engine
+from engines.launcher import EngineProcess, build_command, build_env, plan_engine, rpc_dir, start_engine
 from kvloop.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -284,9 +284,13 @@ def test_command_and_environment(tmp_path: Path) -> None:
         assert plan.env["TORCH_COMPILE_DISABLE"] == "1"  # eager: not even vLLM's small Inductor helpers
     env = plan.env
     work = (tmp_path / "work").absolute()
-    for name in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TMPDIR", "VLLM_RPC_BASE_PATH", "HF_HOME",
+    for name in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TMPDIR", "HF_HOME",
                  "XDG_CACHE_HOME", "VLLM_CONFIG_ROOT", "TRITON_CACHE_DIR"):
         assert Path(env[name]).is_relative_to(work), name
+    # vLLM's IPC sockets: under work_dir unless that path is too long for a Unix socket, then a short one.
+    rpc = Path(env["VLLM_RPC_BASE_PATH"])
+    assert rpc == rpc_dir(plan.run_dir) and (rpc.is_relative_to(work) or len(str(work / "run/d-1/rpc")) + 38 >= 100)
+    assert len(str(rpc)) + 38 < 108
     assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1" and env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5601"
     assert env["UCX_NET_DEVICES"] == "lo" and env["HF_HUB_OFFLINE"] == "1" and env["VLLM_NO_USAGE_STATS"] == "1"
     assert plan.log_path == work / "logs" / "d-1.log"

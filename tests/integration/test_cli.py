@@ -1,4 +1,4 @@
-"""The ``kvloop`` command line, run as a real subprocess: status of a live broker, ``up --once``, and
+"""The ``kvloop`` command line, run as a real subprocess: status of a live broker and
 configuration errors that exit 2 naming the field."""
 
 from __future__ import annotations
@@ -80,13 +80,6 @@ async def test_broker_status(start_broker: ModuleBrokerFactory) -> None:
     # Nobody listening: a clear error and exit 1.
     result = await kvloop("broker", "status", "--broker", f"127.0.0.1:{procs.free_port()}", "--timeout", "1")
     assert result.returncode == 1 and "UNAVAILABLE" in result.stderr and result.stdout == ""
-
-
-async def test_up_once() -> None:
-    result = await kvloop("up", "--once")
-    assert result.returncode == 0, result.stderr
-    assert "broker serving at 127.0.0.1:" in result.stdout
-    assert "engines: 0" in result.stdout and "leader=yes" in result.stdout
 
 
 BAD_CONFIG = [

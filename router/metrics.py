@@ -1,0 +1,27 @@
+"""Prometheus metrics of the router, recorded by the shell (router/turn.py, router/server.py)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("kvloop_router_ttft_seconds", "Time to first token as the client sees it, by decision",
+                              ["decision"], buckets=_TTFT_BUCKETS, registry=r)
+        self.decisions = Counter("kvloop_router_decisions_total", "Turns by decision and reason",
+                                 ["decision", "reason"], registry=r)
+        self.tokens = Counter("kvloop_router_prompt_tokens_total", "Prompt tokens reused (pulled or local prefix) "
+                              "or recomputed on prefill", ["kind"], registry=r)
+        self.pull_bytes = Counter("kvloop_router_pull_bytes_total", "KV bytes pulled by prefill engines", registry=r)
+        self.pull_seconds = Histogram("kvloop_router_pull_seconds", "Pull time reported by prefill engines",
+                                      buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0), registry=r)
+        self.broker_errors = Counter("kvloop_router_broker_errors_total", "Failed broker calls, by method",
+                                     ["method"], registry=r)
+        self.fallbacks = Counter("kvloop_router_fallbacks_total", "Fallbacks taken, by kind", ["kind"], registry=r)
+        self.requests = Counter("kvloop_router_requests_total", "HTTP requests by endpoint and status",
+                                ["endpoint", "status"], registry=r)

@@ -1,0 +1,253 @@
+"""The router's HTTP shell: OpenAI-compatible ``/v1/chat/completions`` and ``/v1/completions`` (SSE streaming
+and not), ``/v1/models``, ``/health``, ``/metrics``; graceful shutdown.
+
+Bad input is refused before any engine is touched, in OpenAI's error shape: a body that is not JSON or not
+an object, too large (413), a missing or mistyped field, an unknown model (404). An engine's own refusal
+(a prompt too long for it, say) is passed on with its status; only when no engine can serve does the
+client see a 503, and then also in OpenAI's shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import structlog
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvloop.config import parse_host_port
+from router.config import RouterConfig
+from router.metrics import RouterMetrics
+from router.turn import TurnError, TurnRunner
+
+log = structlog.get_logger("kvloop.router")
+
+
+def error_response(error: TurnError) -> web.Response:
+    return web.json_response(error.body(), status=error.status)
+
+
+def decision_headers(prepared: Any) -> dict[str, str]:
+    """What the turn decided, for clients and demos (the trace has the same and more)."""
+    report = prepared.report
+    return {"x-kvloop-decision": prepared.decision, "x-kvloop-reason": prepared.reason,
+            "x-kvloop-prompt-tokens": str(prepared.prompt_tokens),
+            "x-kvloop-matched-tokens": str(prepared.matched_tokens),
+            "x-kvloop-pulled-tokens": str(report.get("pulled_tokens", 0)),
+            "x-kvloop-local-tokens": str(report.get("local_tokens", 0)),
+            "x-kvloop-computed-tokens": str(report.get("computed_tokens", prepared.prompt_tokens)),
+            "x-kvloop-pull-ms": str(report.get("pull_ms", 0))}
+
+
+def session_hint(request: web.Request, body: dict[str, Any]) -> str:
+    hint = request.headers.get("x-session-id") or body.get("session_id") or body.get("user") or ""
+    return str(hint)[:256]
+
+
+def validate(kind: str, body: Any, model: str) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise TurnError(400, "request body must be a JSON object", "invalid_request_error")
+    if not isinstance(body.get("model"), str) or not body["model"]:
+        raise TurnError(400, "model: a model name is required", "invalid_request_error", "model")
+    if model and body["model"] != model:
+        raise TurnError(404, f"model: the model '{body['model']}' does not exist (this router serves '{model}')",
+                        "invalid_request_error", "model")
+    if kind == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise TurnError(400, "messages: a non-empty list of {role, content} objects is required",
+                            "invalid_request_error", "messages")
+    else:
+        prompt = body.get("prompt")
+        ok = (isinstance(prompt, str) and prompt) or (isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt))
+        if not ok:
+            raise TurnError(400, "prompt: a non-empty string or list of token ids is required",
+                            "invalid_request_error", "prompt")
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = body.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise TurnError(400, f"{name}: must be a positive integer", "invalid_request_error", name)
+    if body.get("n", 1) != 1:
+        raise TurnError(400, "n: only n=1 is supported", "invalid_request_error", "n")
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise TurnError(400, "stream: must be a boolean", "invalid_request_error", "stream")
+    return body
+
+
+@dataclass
+class RunningRouter:
+    config: RouterConfig
+    runner: TurnRunner
+    web_runner: web.AppRunner
+    port: int
+    _refresher: asyncio.Task[None]
+    _http: aiohttp.ClientSession
+
+    @property
+    def url(self) -> str:
+        host = parse_host_port(self.config.listen, "listen")[0]
+        return f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{self.port}"
+
+    async def stop(self) -> None:
+        log.info("router.stopping")
+        self._refresher.cancel()
+        await self.web_runner.cleanup()  # stops accepting, lets in-flight requests finish (shutdown_timeout)
+        await self.runner.close()
+        await self._http.close()
+        log.info("router.stopped")
+
+
+class RouterApp:
+    def __init__(self, config: RouterConfig, runner: TurnRunner, metrics: RouterMetrics) -> None:
+        self.config, self.runner, self.metrics = config, runner, metrics
+
+    async def read_body(self, request: web.Request) -> Any:
+        if request.content_length is not None and request.content_length > self.config.max_request_bytes:
+            raise TurnError(413, f"request body is larger than {self.config.max_request_bytes} bytes",
+                            "invalid_request_error")
+        raw = await request.content.read(self.config.max_request_bytes + 1)
+        if len(raw) > self.config.max_request_bytes:
+            raise TurnError(413, f"request body is larger than {self.config.max_request_bytes} bytes",
+                            "invalid_request_error")
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise TurnError(400, f"request body is not valid JSON: {exc}", "invalid_request_error") from None
+
+    def served_model(self) -> str:
+        return self.config.model
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self.turn(request, "chat")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.turn(request, "completion")
+
+    async def turn(self, request: web.Request, kind: str) -> web.StreamResponse:
+        endpoint = "chat" if kind == "chat" else "completions"
+        try:
+            body = validate(kind, await self.read_body(request), self.served_model())
+            prepared = await self.runner.prepare(kind, body, session_hint(request, body))
+        except TurnError as exc:
+            self.metrics.requests.labels(endpoint, str(exc.status)).inc()
+            return error_response(exc)
+        if not body.get("stream"):
+            try:
+                reply = await self.runner.decode_json(prepared)
+            except TurnError as exc:
+                self.runner.finish(prepared, output_tokens=0, ttft_s=time.perf_counter() - prepared.started,
+                                   error=exc.message)
+                self.metrics.requests.labels(endpoint, str(exc.status)).inc()
+                return error_response(exc)
+            usage = reply.get("usage") or {}
+            self.runner.finish(prepared, output_tokens=int(usage.get("completion_tokens", 0)),
+                               ttft_s=time.perf_counter() - prepared.started)
+            self.metrics.requests.labels(endpoint, "200").inc()
+            return web.json_response(reply, headers=decision_headers(prepared))
+        return await self.stream(request, prepared, endpoint)
+
+    async def stream(self, request: web.Request, prepared: Any, endpoint: str) -> web.StreamResponse:
+        response: web.StreamResponse | None = None
+        ttft = 0.0
+        chunks = 0
+        try:
+            async for line in self.runner.decode_stream(prepared):
+                if response is None:
+                    response = web.StreamResponse(headers={"content-type": "text/event-stream",
+                                                           "cache-control": "no-cache", **decision_headers(prepared)})
+                    await response.prepare(request)
+                if not ttft and line.startswith(b"data: {"):
+                    ttft = time.perf_counter() - prepared.started
+                if line.startswith(b"data: {"):
+                    chunks += 1
+                await response.write(line)
+        except TurnError as exc:
+            self.runner.finish(prepared, output_tokens=0, ttft_s=time.perf_counter() - prepared.started,
+                               error=exc.message)
+            self.metrics.requests.labels(endpoint, str(exc.status)).inc()
+            if response is None:
+                return error_response(exc)
+            await response.write(f"data: {json.dumps(exc.body())}\n\n".encode())
+            return response
+        except (ConnectionResetError, aiohttp.ClientError) as exc:
+            self.runner.finish(prepared, output_tokens=chunks, ttft_s=ttft, error=f"stream broke: {exc}")
+            raise
+        self.runner.finish(prepared, output_tokens=chunks, ttft_s=ttft or time.perf_counter() - prepared.started)
+        self.metrics.requests.labels(endpoint, "200").inc()
+        assert response is not None
+        await response.write_eof()
+        return response
+
+    async def models(self, request: web.Request) -> web.Response:
+        names = {self.config.model} if self.config.model else set()
+        if not names:
+            for engine in self.runner.directory.of_role("decode"):
+                with contextlib.suppress(Exception):
+                    async with self.runner.http.get(f"{engine.http}/v1/models",
+                                                    timeout=aiohttp.ClientTimeout(total=5)) as reply:
+                        names |= {m["id"] for m in (await reply.json()).get("data", [])}
+                    break
+        return web.json_response({"object": "list", "data": [
+            {"id": name, "object": "model", "created": 0, "owned_by": "kvloop"} for name in sorted(names)]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        prefill, decode = self.runner.directory.of_role("prefill"), self.runner.directory.of_role("decode")
+        ok = bool(prefill and decode)
+        return web.json_response({"status": "ok" if ok else "no engines", "prefill": len(prefill),
+                                  "decode": len(decode)}, status=200 if ok else 503)
+
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics.registry), headers={"content-type": CONTENT_TYPE_LATEST})
+
+    async def not_found(self, request: web.Request) -> web.Response:
+        return error_response(TurnError(404, f"{request.method} {request.path} is not an endpoint of this router",
+                                        "invalid_request_error"))
+
+
+async def start_router(config: RouterConfig) -> RunningRouter:
+    config.validate()
+    metrics = RouterMetrics()
+    http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256, keepalive_timeout=60))
+    runner = TurnRunner(config, http, metrics)
+    await runner.refresh()
+    app = RouterApp(config, runner, metrics)
+    web_app = web.Application(client_max_size=config.max_request_bytes + 1024)
+    web_app.add_routes([web.post("/v1/chat/completions", app.chat), web.post("/v1/completions", app.completions),
+                        web.get("/v1/models", app.models), web.get("/health", app.health),
+                        web.get("/metrics", app.metrics_endpoint), web.route("*", "/{tail:.*}", app.not_found)])
+    web_runner = web.AppRunner(web_app, access_log=None, shutdown_timeout=10.0)
+    await web_runner.setup()
+    host, port = parse_host_port(config.listen, "listen")
+    site = web.TCPSite(web_runner, host, port)
+    await site.start()
+    bound = web_runner.addresses[0][1]
+    refresher = asyncio.create_task(runner.refresh_forever())
+    if config.port_file:
+        tmp = Path(config.port_file).with_suffix(".tmp")
+        tmp.write_text(str(bound))
+        tmp.replace(config.port_file)
+    log.info("router.listening", address=f"{host}:{bound}", broker=config.broker or None,
+             engines=len(runner.directory.engines))
+    return RunningRouter(config, runner, web_runner, bound, refresher, http)
+
+
+async def serve(config: RouterConfig) -> None:
+    running = await start_router(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await running.stop()

@@ -1,0 +1,441 @@
+"""One turn through the cluster: tokenize, place, pin, prefill (with the pull), decode.
+
+The steps are :mod:`kvloop.pd`'s, asynchronous and with the fallbacks a front door needs:
+
+- **Tokenize** on an engine's ``/tokenize`` with the request's own chat-template arguments, so the token
+  ids (and so the block keys) are exactly the ones the engines will compute. Matching is by content; a
+  session id (``x-session-id`` header, or ``user``/``session_id`` field) is only a hint to the broker.
+- **Place** over the broker's ``PlaceStream``. Broker unreachable or slow (``broker_timeout_s``): the turn
+  recomputes on engines picked round-robin from the last known list (logged, counted).
+- **Pin** the source lease on ``TRANSFER`` (refused: recompute), and name the source in the prefill's
+  ``kv_transfer_params``, cut to the matched, block-aligned prefix.
+- **Prefill** with ``max_tokens=1``; a failed engine is retried on another prefill engine without the
+  pull. ``CompleteTransfer`` goes to the broker in the background, off the critical path.
+- **Decode** with the prefill's params, streamed to the client when asked; a decode engine that fails
+  before answering is retried on another. The decode engine's sidecar publishes what it retains, so
+  nothing of the decode's reply needs to reach the broker through the router (one path, documented).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import itertools
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import structlog
+from opentelemetry import propagate, trace
+
+from kvloop.client import BrokerClient, PlacementStream
+from kvloop.hashing import ExtraKeys, block_keys
+from kvloop.pd import BANDWIDTH_SAMPLE_MIN_BYTES, LEASE_READ_PREFIX
+from kvloop.v1 import broker_pb2 as pb
+from router.config import RouterConfig
+from router.metrics import RouterMetrics
+
+log = structlog.get_logger("kvloop.router")
+tracer = trace.get_tracer("kvloop.router")
+
+# Request fields that change how a chat is rendered into tokens: passed to /tokenize as given.
+CHAT_TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
+                        "add_special_tokens", "tools", "documents")
+
+
+class TurnError(Exception):
+    """A turn that cannot be served: the HTTP status and an OpenAI-style error."""
+
+    def __init__(self, status: int, message: str, kind: str = "server_error", param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    engine_id: str
+    role: str
+    http: str
+    nixl: str = ""
+    block_size: int = 0
+    fingerprint: str = ""
+
+
+class Directory:
+    """The engines the router can use: from the broker's ``Inspect`` (refreshed), else the configured URLs."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.engines: dict[str, EngineInfo] = {}
+        self.static = {
+            "prefill": [EngineInfo(f"prefill@{u}", "prefill", u) for u in config.urls("prefill_urls")],
+            "decode": [EngineInfo(f"decode@{u}", "decode", u) for u in config.urls("decode_urls")],
+        }
+        self._rr = itertools.count()
+
+    def update(self, reply: pb.InspectResponse) -> None:
+        roles = {pb.ENGINE_ROLE_PREFILL: "prefill", pb.ENGINE_ROLE_DECODE: "decode", pb.ENGINE_ROLE_BOTH: "both"}
+        self.engines = {e.engine.engine_id: EngineInfo(e.engine.engine_id, roles.get(e.engine.role, "both"),
+                                                       e.engine.addresses.http.rstrip("/"), e.engine.addresses.nixl,
+                                                       e.engine.block_size, e.engine.layout_fingerprint)
+                        for e in reply.engines}
+
+    def of_role(self, role: str) -> list[EngineInfo]:
+        known = [e for e in self.engines.values() if e.role in (role, "both") and e.http]
+        return known or self.static[role]
+
+    def pick(self, role: str, exclude: set[str] = frozenset()) -> EngineInfo | None:  # type: ignore[assignment]
+        candidates = [e for e in self.of_role(role) if e.engine_id not in exclude]
+        return candidates[next(self._rr) % len(candidates)] if candidates else None
+
+    def layout(self) -> tuple[str, int] | None:
+        for e in self.engines.values():
+            if e.fingerprint and e.block_size:
+                return e.fingerprint, e.block_size
+        return None
+
+
+@dataclass
+class Prepared:
+    """A turn up to its prefill: what the decode needs, and what the trace and metrics report."""
+
+    kind: str
+    session: str
+    body: dict[str, Any]
+    decode: EngineInfo
+    decode_params: dict[str, Any]
+    span: Any
+    started: float
+    decision: str = "RECOMPUTE"
+    reason: str = ""
+    prompt_tokens: int = 0
+    matched_tokens: int = 0
+    report: dict[str, Any] = field(default_factory=dict)
+    decode_alternatives: list[EngineInfo] = field(default_factory=list)
+    decode_started_ns: int = 0
+
+
+class TurnRunner:
+    def __init__(self, config: RouterConfig, http: aiohttp.ClientSession, metrics: RouterMetrics) -> None:
+        self.config = config
+        self.http = http
+        self.metrics = metrics
+        self.directory = Directory(config)
+        self.broker = BrokerClient(config.broker, timeout_s=config.broker_timeout_s) if config.broker else None
+        self.placements = PlacementStream(self.broker.stub) if self.broker else None
+        self._background: set[asyncio.Task[Any]] = set()
+
+    async def refresh(self) -> None:
+        if self.broker is None:
+            return
+        try:
+            self.directory.update(await self.broker.call("Inspect", pb.InspectRequest()))
+        except Exception as exc:  # the broker may be down: keep the last list
+            log.debug("router.refresh_failed", error=str(exc))
+
+    async def refresh_forever(self) -> None:
+        while True:
+            await self.refresh()
+            await asyncio.sleep(self.config.refresh_s)
+
+    async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        if self.placements is not None:
+            await self.placements.close()
+        if self.broker is not None:
+            await self.broker.close()
+
+    # Engine calls.
+
+    def _headers(self) -> dict[str, str]:
+        headers = {"content-type": "application/json"}
+        propagate.inject(headers)  # traceparent: vLLM's own spans nest under ours (--otlp-traces-endpoint)
+        return headers
+
+    async def _post(self, engine: EngineInfo, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s)
+        async with self.http.post(f"{engine.http}{path}", json=body, headers=self._headers(), timeout=timeout) as r:
+            data = await r.json(content_type=None)
+            if r.status >= 400:
+                raise EngineReplyError(r.status, data)
+            result: dict[str, Any] = data
+            return result
+
+    async def tokenize(self, kind: str, body: dict[str, Any]) -> list[int]:
+        if kind == "completion" and isinstance(body.get("prompt"), list) and all(
+                isinstance(t, int) for t in body["prompt"]):
+            return list(body["prompt"])
+        request: dict[str, Any] = {"model": body.get("model")}
+        if kind == "chat":
+            request["messages"] = body["messages"]
+            request.update({k: body[k] for k in CHAT_TEMPLATE_FIELDS if k in body})
+        else:
+            request["prompt"] = body["prompt"]
+        tried: set[str] = set()
+        while (engine := self.directory.pick("prefill", tried) or self.directory.pick("decode", tried)) is not None:
+            tried.add(engine.engine_id)
+            try:
+                reply = await self._post(engine, "/tokenize", request)
+                return list(reply["tokens"])
+            except EngineReplyError as exc:
+                if exc.status < 500:
+                    raise exc.turn_error() from None
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                log.warning("router.tokenize_failed", engine=engine.engine_id, error=str(exc))
+        raise TurnError(503, "no engine is available to tokenize the request")
+
+    # The turn.
+
+    async def prepare(self, kind: str, body: dict[str, Any], session: str) -> Prepared:
+        started = time.perf_counter()
+        span = tracer.start_span("kvloop.turn")
+        span.set_attribute("kvloop.session", session)
+        span.set_attribute("gen_ai.request.model", str(body.get("model", "")))
+        span.set_attribute("gen_ai.operation.name", "chat" if kind == "chat" else "text_completion")
+        span.set_attribute("gen_ai.system", "vllm")
+        try:
+            with trace.use_span(span, end_on_exit=False):
+                return await self._prepare(kind, body, session, span, started)
+        except BaseException as exc:
+            span.record_exception(exc)
+            span.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
+            span.end()
+            raise
+
+    async def _prepare(self, kind: str, body: dict[str, Any], session: str, span: Any, started: float) -> Prepared:
+        with tracer.start_as_current_span("kvloop.tokenize"):
+            tokens = await self.tokenize(kind, body)
+        if len(tokens) > self.config.max_prompt_tokens:
+            raise TurnError(400, f"prompt has {len(tokens)} tokens, more than this router accepts "
+                                 f"({self.config.max_prompt_tokens})", "invalid_request_error", "messages")
+        span.set_attribute("gen_ai.usage.input_tokens", len(tokens))
+        with tracer.start_as_current_span("kvloop.place") as place_span:
+            plan = await self._place(tokens, session)
+            decision = pb.Decision.Name(plan.decision).removeprefix("DECISION_") if plan else "RECOMPUTE"
+            reason = plan.reason if plan else "broker_unavailable"
+            place_span.set_attribute("kvloop.decision", decision)
+        prefill = self.directory.engines.get(plan.prefill_engine_id) if plan else None
+        decode = self.directory.engines.get(plan.decode_engine_id) if plan else None
+        prefill = prefill or self.directory.pick("prefill")
+        decode = decode or self.directory.pick("decode")
+        if prefill is None or decode is None:
+            raise TurnError(503, "no prefill and decode engines are available")
+        params: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False}
+        pin = None
+        if plan is not None and plan.decision == pb.DECISION_TRANSFER:
+            pin = await self._pin(plan, prefill.engine_id)
+            if pin is None:
+                decision, reason = "RECOMPUTE", "pin_refused"
+            else:
+                host, _, port = plan.source_addresses.nixl.rpartition(":")
+                params.update(remote_engine_id=plan.source_engine_id,
+                              remote_request_id=LEASE_READ_PREFIX + plan.source_lease_id,
+                              remote_block_ids=[list(pin.block_ids)[: plan.matched_blocks]], remote_host=host,
+                              remote_port=int(port), remote_num_tokens=int(plan.matched_tokens), tp_size=1)
+        prepared = Prepared(kind=kind, session=session, body=body, decode=decode, decode_params={}, span=span,
+                            started=started, decision=decision, reason=reason, prompt_tokens=len(tokens),
+                            matched_tokens=int(plan.matched_tokens) if plan else 0)
+        with tracer.start_as_current_span("kvloop.prefill") as prefill_span:
+            reply, used = await self._prefill(body, params, prefill)
+            p_params = dict(reply.get("kv_transfer_params") or {})
+            report = dict(p_params.pop("kvloop", {}) or {})
+            prefill_span.set_attribute("kvloop.engine", used.engine_id)
+            for key in ("pulled_blocks", "pulled_bytes", "pull_ms", "computed_tokens", "local_tokens"):
+                if key in report:
+                    prefill_span.set_attribute(f"kvloop.{key}", report[key])
+        if pin is not None:
+            self._complete(pin, report if used.engine_id == prefill.engine_id else {"pull_failed": True})
+            if report.get("pull_failed") or used.engine_id != prefill.engine_id:
+                prepared.reason = "pull_failed_recomputed"
+        p_params["kvloop_session_id"] = session
+        prepared.decode_params, prepared.report = p_params, report
+        prepared.decode_alternatives = [e for e in self.directory.of_role("decode") if e.engine_id != decode.engine_id]
+        return prepared
+
+    async def _place(self, tokens: list[int], session: str) -> pb.Plan | None:
+        layout = self.directory.layout()
+        if self.placements is None or layout is None:
+            self.metrics.fallbacks.labels("broker_unavailable").inc()
+            return None
+        fingerprint, block_size = layout
+        request = pb.PlaceRequest(session_id=session, block_keys=block_keys(tokens, block_size, ExtraKeys(fingerprint)),
+                                  num_tokens=len(tokens), layout_fingerprint=fingerprint, block_size=block_size)
+        try:
+            plan: pb.Plan = await self.placements.place(request, timeout_s=self.config.broker_timeout_s)
+        except Exception as exc:
+            self.metrics.broker_errors.labels("Place").inc()
+            self.metrics.fallbacks.labels("broker_unavailable").inc()
+            log.warning("router.broker_unavailable", error=str(exc) or type(exc).__name__)
+            return None
+        if plan.error:
+            self.metrics.broker_errors.labels("Place").inc()
+            log.warning("router.place_refused", error=plan.error)
+            return None
+        return plan
+
+    async def _pin(self, plan: pb.Plan, reader: str) -> pb.PinBlocksResponse | None:
+        assert self.broker is not None
+        try:
+            pin: pb.PinBlocksResponse = await self.broker.call("PinBlocks", pb.PinBlocksRequest(
+                reader_engine_id=reader, lease_id=plan.source_lease_id, num_blocks=plan.matched_blocks))
+            return pin
+        except Exception as exc:
+            self.metrics.broker_errors.labels("PinBlocks").inc()
+            log.info("router.pin_refused", lease=plan.source_lease_id, error=str(exc))
+            return None
+
+    def _complete(self, pin: pb.PinBlocksResponse, report: dict[str, Any]) -> None:
+        assert self.broker is not None
+        nbytes = int(report.get("pulled_bytes", 0))
+        duration = float(report.get("pull_ms", 0.0)) / 1e3 if nbytes >= BANDWIDTH_SAMPLE_MIN_BYTES else 0.0
+        request = pb.CompleteTransferRequest(pin_id=pin.pin_id, success=bool(report) and not report.get("pull_failed"),
+                                             bytes=nbytes, duration_s=duration)
+
+        async def send() -> None:
+            try:
+                await self.broker.call("CompleteTransfer", request)  # type: ignore[union-attr]
+            except Exception as exc:
+                self.metrics.broker_errors.labels("CompleteTransfer").inc()
+                log.info("router.complete_failed", pin=pin.pin_id, error=str(exc))
+
+        task = asyncio.create_task(send())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _prefill(self, body: dict[str, Any], params: dict[str, Any], first: EngineInfo
+                       ) -> tuple[dict[str, Any], EngineInfo]:
+        request = copy.deepcopy(body)
+        for key in ("stream", "stream_options", "n", "logprobs", "top_logprobs", "echo"):
+            request.pop(key, None)
+        request.update(max_tokens=1, stream=False, kv_transfer_params=params)
+        if "max_completion_tokens" in request:
+            request["max_completion_tokens"] = 1
+        engine: EngineInfo | None = first
+        tried: set[str] = set()
+        while engine is not None:
+            tried.add(engine.engine_id)
+            try:
+                return await self._post(engine, "/v1/chat/completions" if "messages" in body else "/v1/completions",
+                                        request), engine
+            except EngineReplyError as exc:
+                if exc.status < 500:
+                    raise exc.turn_error() from None
+                log.warning("router.prefill_failed", engine=engine.engine_id, status=exc.status)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                log.warning("router.prefill_failed", engine=engine.engine_id, error=str(exc) or type(exc).__name__)
+            self.metrics.fallbacks.labels("prefill_retry").inc()
+            request["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False}  # no pull
+            engine = self.directory.pick("prefill", tried)
+        raise TurnError(503, "no prefill engine could serve the request")
+
+    def decode_request(self, prepared: Prepared) -> dict[str, Any]:
+        request = copy.deepcopy(prepared.body)
+        request["kv_transfer_params"] = prepared.decode_params
+        return request
+
+    def path(self, prepared: Prepared) -> str:
+        return "/v1/chat/completions" if prepared.kind == "chat" else "/v1/completions"
+
+    def finish(self, prepared: Prepared, *, output_tokens: int, ttft_s: float, error: str = "") -> None:
+        span, report = prepared.span, prepared.report
+        if prepared.decode_started_ns:
+            decode_span = tracer.start_span("kvloop.decode", context=trace.set_span_in_context(span),
+                                            start_time=prepared.decode_started_ns)
+            decode_span.set_attribute("kvloop.engine", prepared.decode.engine_id)
+            decode_span.set_attribute("gen_ai.usage.output_tokens", output_tokens)
+            decode_span.end()
+        span.set_attribute("kvloop.decision", prepared.decision)
+        span.set_attribute("kvloop.reason", prepared.reason)
+        span.set_attribute("kvloop.matched_tokens", prepared.matched_tokens)
+        span.set_attribute("kvloop.pulled_blocks", int(report.get("pulled_blocks", 0)))
+        span.set_attribute("kvloop.pulled_tokens", int(report.get("pulled_tokens", 0)))
+        span.set_attribute("kvloop.local_tokens", int(report.get("local_tokens", 0)))
+        span.set_attribute("kvloop.pulled_bytes", int(report.get("pulled_bytes", 0)))
+        span.set_attribute("kvloop.pull_ms", float(report.get("pull_ms", 0.0)))
+        span.set_attribute("kvloop.recomputed_tokens", int(report.get("computed_tokens", prepared.prompt_tokens)))
+        span.set_attribute("kvloop.ttft_ms", round(ttft_s * 1e3, 3))
+        span.set_attribute("kvloop.decode_engine", prepared.decode.engine_id)
+        span.set_attribute("gen_ai.usage.output_tokens", output_tokens)
+        if error:
+            span.set_status(trace.Status(trace.StatusCode.ERROR, error))
+        span.end()
+        m = self.metrics
+        m.ttft.labels(prepared.decision).observe(ttft_s)
+        m.decisions.labels(prepared.decision, prepared.reason).inc()
+        reused = int(report.get("pulled_tokens", 0)) + int(report.get("local_tokens", 0))
+        m.tokens.labels("reused").inc(reused)
+        m.tokens.labels("recomputed").inc(int(report.get("computed_tokens", prepared.prompt_tokens)))
+        if report.get("pulled_bytes"):
+            m.pull_bytes.inc(int(report["pulled_bytes"]))
+            m.pull_seconds.observe(float(report.get("pull_ms", 0.0)) / 1e3)
+        log.info("router.turn", session=prepared.session or None, decision=prepared.decision, reason=prepared.reason,
+                 prompt_tokens=prepared.prompt_tokens,
+                 matched_tokens=prepared.matched_tokens, pulled_blocks=report.get("pulled_blocks", 0),
+                 computed_tokens=report.get("computed_tokens"), ttft_ms=round(ttft_s * 1e3, 1), error=error or None)
+
+    async def decode_stream(self, prepared: Prepared) -> AsyncIterator[bytes]:
+        """The decode's SSE bytes, relayed as they come; retried on another decode engine before any byte."""
+        request = self.decode_request(prepared)
+        prepared.decode_started_ns = time.time_ns()
+        engines = [prepared.decode, *prepared.decode_alternatives]
+        timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s)
+        last = "no decode engine"
+        for engine in engines:
+            try:
+                async with self.http.post(f"{engine.http}{self.path(prepared)}", json=request,
+                                          headers=self._headers(), timeout=timeout) as reply:
+                    if reply.status >= 400:
+                        data = await reply.json(content_type=None)
+                        if reply.status < 500:
+                            raise EngineReplyError(reply.status, data).turn_error()
+                        last = f"{engine.engine_id} answered {reply.status}"
+                        self.metrics.fallbacks.labels("decode_retry").inc()
+                        continue
+                    prepared.decode = engine
+                    async for line in reply.content:
+                        yield line
+                    return
+            except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+                last = f"{engine.engine_id}: {exc or type(exc).__name__}"
+                self.metrics.fallbacks.labels("decode_retry").inc()
+                log.warning("router.decode_failed", engine=engine.engine_id, error=last)
+        raise TurnError(503, f"no decode engine could serve the request ({last})")
+
+    async def decode_json(self, prepared: Prepared) -> dict[str, Any]:
+        request = self.decode_request(prepared)
+        prepared.decode_started_ns = time.time_ns()
+        last = "no decode engine"
+        for engine in [prepared.decode, *prepared.decode_alternatives]:
+            try:
+                reply = await self._post(engine, self.path(prepared), request)
+                prepared.decode = engine
+                reply.pop("kv_transfer_params", None)  # internal to the cluster
+                return reply
+            except EngineReplyError as exc:
+                if exc.status < 500:
+                    raise exc.turn_error() from None
+                last = f"{engine.engine_id} answered {exc.status}"
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                last = f"{engine.engine_id}: {exc or type(exc).__name__}"
+            self.metrics.fallbacks.labels("decode_retry").inc()
+        raise TurnError(503, f"no decode engine could serve the request ({last})")
+
+
+class EngineReplyError(Exception):
+    def __init__(self, status: int, data: Any) -> None:
+        super().__init__(f"engine answered {status}")
+        self.status, self.data = status, data
+
+    def turn_error(self) -> TurnError:
+        """The engine's own OpenAI error, passed on with its status (a bad request stays a bad request)."""
+        error = self.data.get("error") if isinstance(self.data, dict) else None
+        if isinstance(error, dict):
+            kind = str(error.get("type", "invalid_request_error"))
+            return TurnError(self.status, str(error.get("message", "")), kind, error.get("param"))
+        message = self.data.get("message", str(self.data)) if isinstance(self.data, dict) else str(self.data)
+        return TurnError(self.status, str(message), "invalid_request_error")

@@ -1,0 +1,238 @@
+"""The router end to end on the shared cluster (real broker, real vLLM CPU engines with kvloop's connector and
+sidecars, real NIXL): OpenAI answers streamed and not, a multi-turn chat that transfers from turn 2 on (read
+from an in-memory span exporter), answers equal to a recompute's, an edited history, a broker that cannot be
+reached, and bad input refused in OpenAI's error shape.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import pytest
+import pytest_asyncio
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from router.config import RouterConfig
+from router.server import RunningRouter, start_router
+from tests.engines.test_return_path import NEAR_TIE
+
+if TYPE_CHECKING:
+    from tests.engines.conftest import PDEngines
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+SPANS = InMemorySpanExporter()
+SYSTEM = " ".join(f"Rule {i}: the agent keeps its notes short, cites block {i * 3 % 17} and never guesses."
+                  for i in range(40))  # ~700 tokens: every later turn matches more than the test threshold
+
+
+@pytest.fixture(scope="module", autouse=True)
+def in_memory_spans() -> None:
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(SPANS))
+    trace.set_tracer_provider(provider)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def router(pd_engines: PDEngines) -> AsyncIterator[RunningRouter]:
+    running = await start_router(RouterConfig(listen="127.0.0.1:0", broker=pd_engines.broker, refresh_s=0.5,
+                                              log_format="console"))
+    try:
+        async with aiohttp.ClientSession() as http:
+            for _ in range(200):  # health turns 200 once the broker's engine list arrived
+                async with http.get(f"{running.url}/health") as reply:
+                    if reply.status == 200:
+                        break
+                await running.runner.refresh()
+        yield running
+    finally:
+        await running.stop()
+
+
+async def post(url: str, body: Any, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    async with aiohttp.ClientSession() as http, http.post(
+            url, data=body if isinstance(body, bytes) else json.dumps(body).encode(),
+            headers={"content-type": "application/json", **(headers or {})}) as reply:
+        return reply.status, await reply.json(content_type=None)
+
+
+async def stream_chat(url: str, body: dict[str, Any]) -> str:
+    text = []
+    async with aiohttp.ClientSession() as http, http.post(url, json={**body, "stream": True}) as reply:
+        assert reply.status == 200 and reply.headers["content-type"].startswith("text/event-stream")
+        async for raw in reply.content:
+            line = raw.decode().strip()
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                for choice in chunk["choices"]:
+                    text.append((choice.get("delta") or {}).get("content") or choice.get("text") or "")
+    return "".join(text)
+
+
+def chat_body(model: str, messages: list[dict[str, str]], max_tokens: int = 12, **extra: Any) -> dict[str, Any]:
+    return {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, **extra}
+
+
+def turn_spans() -> list[Any]:
+    return [s for s in SPANS.get_finished_spans() if s.name == "kvloop.turn"]
+
+
+def assert_same_tokens(got: dict[str, Any], want: dict[str, Any]) -> None:
+    """Chat answers with logprobs: equal token for token, or parting at a near-tie of the reference."""
+    a = got["choices"][0]["logprobs"]["content"]
+    b = want["choices"][0]["logprobs"]["content"]
+    for x, y in zip(a, b, strict=False):
+        if x["token"] != y["token"]:
+            tops = sorted((t["logprob"] for t in y["top_logprobs"]), reverse=True)
+            assert len(tops) >= 2 and tops[0] - tops[1] < NEAR_TIE, (x, y)
+            return
+    assert len(a) == len(b)
+
+
+async def test_completions_streamed_and_not(router: RunningRouter, pd_engines: PDEngines) -> None:
+    body = {"model": pd_engines.model_name, "prompt": "The broker keeps leases and", "max_tokens": 8,
+            "temperature": 0}
+    status, reply = await post(f"{router.url}/v1/completions", body)
+    assert status == 200 and reply["choices"][0]["text"] and "kv_transfer_params" not in reply
+    streamed = await stream_chat(f"{router.url}/v1/completions", body)
+    assert streamed == reply["choices"][0]["text"]
+    status, models = 0, None
+    async with aiohttp.ClientSession() as http, http.get(f"{router.url}/v1/models") as r:
+        status, models = r.status, await r.json()
+    assert status == 200 and [m["id"] for m in models["data"]] == [pd_engines.model_name]
+
+
+async def test_four_turn_chat_transfers_from_turn_two_and_matches_recompute(router: RunningRouter,
+                                                                           pd_engines: PDEngines) -> None:
+    model = pd_engines.model_name
+    messages = [{"role": "system", "content": SYSTEM}]
+    SPANS.clear()
+    for turn in range(4):
+        messages.append({"role": "user", "content": f"Question {turn}: which block holds note {turn * 7}?"})
+        # A new cache_salt per turn keeps the prefill engine's own prefix cache out (block keys do not include
+        # it), so every matched block is pulled from the decode engine.
+        body = chat_body(model, messages, logprobs=True, top_logprobs=2, cache_salt=f"agent-1-turn-{turn}")
+        if turn == 3:
+            text = await stream_chat(f"{router.url}/v1/chat/completions", {**body, "user": "agent-1"})
+        else:
+            status, reply = await post(f"{router.url}/v1/chat/completions", body, {"x-session-id": "agent-1"})
+            assert status == 200, reply
+            text = reply["choices"][0]["message"]["content"]
+            # The same chat recomputed on the prefill engine alone, no cache: the same greedy tokens.
+            status, reference = await post(f"{pd_engines.prefill.url}/v1/chat/completions",
+                                           {**body, "cache_salt": f"recompute-{turn}", "kv_transfer_params": None})
+            assert status == 200
+            assert_same_tokens(reply, reference)
+        messages.append({"role": "assistant", "content": text})
+    spans = turn_spans()
+    assert len(spans) == 4
+    decisions = [s.attributes["kvloop.decision"] for s in spans]
+    assert decisions[0] == "RECOMPUTE" and decisions[1:] == ["TRANSFER"] * 3, decisions
+    for span in spans[1:]:
+        attrs = span.attributes
+        assert attrs["kvloop.session"] == "agent-1" and attrs["kvloop.reason"] == "transfer_cheaper"
+        assert attrs["kvloop.matched_tokens"] > 300 and attrs["kvloop.pulled_blocks"] > 0
+        assert attrs["kvloop.pulled_tokens"] == attrs["kvloop.matched_tokens"] and attrs["kvloop.local_tokens"] == 0
+        assert attrs["kvloop.recomputed_tokens"] < attrs["gen_ai.usage.input_tokens"]
+        assert attrs["gen_ai.request.model"] == model and attrs["kvloop.ttft_ms"] > 0
+        children = {s.name for s in SPANS.get_finished_spans() if s.parent and s.parent.span_id ==
+                    span.context.span_id}
+        assert {"kvloop.tokenize", "kvloop.place", "kvloop.prefill", "kvloop.decode"} <= children
+
+
+async def test_edited_history_reuses_only_the_unchanged_prefix(router: RunningRouter, pd_engines: PDEngines) -> None:
+    model = pd_engines.model_name
+    first = [{"role": "system", "content": SYSTEM.replace("Rule", "Law")},
+             {"role": "user", "content": "Plan the next step."}]
+    status, reply = await post(f"{router.url}/v1/chat/completions", chat_body(model, first, max_tokens=24))
+    assert status == 200
+    answer = reply["choices"][0]["message"]["content"]
+    # The client strips part of the assistant's answer (as agents drop reasoning text) and edits the user turn.
+    edited = [first[0], {"role": "user", "content": "Plan the NEXT step, carefully."},
+              {"role": "assistant", "content": answer[: len(answer) // 2]}, {"role": "user", "content": "Go on."}]
+    SPANS.clear()
+    body = chat_body(model, edited, logprobs=True, top_logprobs=2)
+    status, reply = await post(f"{router.url}/v1/chat/completions", body)
+    assert status == 200
+    (span,) = turn_spans()
+    # Reuse stops at the first changed block: the full blocks of the two prompts' common token prefix.
+    async def tokens(messages: list[dict[str, str]]) -> list[int]:
+        status, reply = await post(f"{pd_engines.prefill.url}/tokenize", {"model": model, "messages": messages})
+        assert status == 200
+        return list(reply["tokens"])
+
+    a, b = await tokens(first), await tokens(edited)
+    common = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    assert common < len(a) and span.attributes["kvloop.matched_tokens"] == (common // 128) * 128 > 0, (
+        common, span.attributes)
+    status, reference = await post(f"{pd_engines.prefill.url}/v1/chat/completions", {**body, "cache_salt": "edited"})
+    assert_same_tokens(reply, reference)
+
+
+async def test_unreachable_broker_still_answers_by_recomputing(pd_engines: PDEngines) -> None:
+    config = RouterConfig(listen="127.0.0.1:0", broker="127.0.0.1:1", prefill_urls=pd_engines.prefill.url,
+                          decode_urls=pd_engines.decode.url, broker_timeout_s=0.5, log_format="console")
+    running = await start_router(config)
+    try:
+        SPANS.clear()
+        status, reply = await post(f"{running.url}/v1/chat/completions", chat_body(
+            pd_engines.model_name, [{"role": "user", "content": "Is the broker there?"}], max_tokens=6))
+        assert status == 200 and reply["choices"][0]["message"]["content"] is not None
+        (span,) = turn_spans()
+        assert span.attributes["kvloop.decision"] == "RECOMPUTE"
+        assert span.attributes["kvloop.reason"] == "broker_unavailable"
+        async with aiohttp.ClientSession() as http, http.get(f"{running.url}/metrics") as r:
+            text = await r.text()
+        assert 'kvloop_router_fallbacks_total{kind="broker_unavailable"}' in text
+    finally:
+        await running.stop()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def strict_router(pd_engines: PDEngines) -> AsyncIterator[RunningRouter]:
+    """A router that names its model and takes bodies of at most 4 KiB."""
+    running = await start_router(RouterConfig(listen="127.0.0.1:0", broker=pd_engines.broker, refresh_s=0.5,
+                                              model=pd_engines.model_name, max_request_bytes=4096,
+                                              log_format="console"))
+    try:
+        yield running
+    finally:
+        await running.stop()
+
+
+@pytest.mark.parametrize(("body", "status", "needle"), [
+    (b"{not json", 400, "not valid JSON"),
+    (b"[1, 2]", 400, "JSON object"),
+    (b"{" + b" " * 5000 + b"}", 413, "larger than"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, 400, "model"),
+    ({"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}, 404, "does not exist"),
+    ({"model": "MODEL", "messages": []}, 400, "messages"),
+    ({"model": "MODEL", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "MODEL", "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n:"),
+    ({"model": "MODEL", "messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 400, "stream"),
+])
+async def test_bad_input_gets_an_openai_error(strict_router: RunningRouter, pd_engines: PDEngines, body: Any,
+                                              status: int, needle: str) -> None:
+    if isinstance(body, dict) and body.get("model") == "MODEL":
+        body = {**body, "model": pd_engines.model_name}
+    got, reply = await post(f"{strict_router.url}/v1/chat/completions", body)
+    assert got == status, reply
+    assert set(reply["error"]) >= {"message", "type", "code"} and needle in reply["error"]["message"], reply
+
+
+async def test_a_prompt_too_long_for_the_engines_gets_their_400(router: RunningRouter, pd_engines: PDEngines) -> None:
+    words = " ".join(f"w{i}" for i in range(3000))  # well past the engines' 4096-token context
+    got, reply = await post(f"{router.url}/v1/chat/completions", chat_body(
+        pd_engines.model_name, [{"role": "user", "content": words}]))
+    assert got == 400 and reply["error"]["message"], reply
+
+
+async def test_unknown_endpoint(strict_router: RunningRouter) -> None:
+    got, reply = await post(f"{strict_router.url}/v1/embeddings", {"model": "x"})
+    assert got == 404 and reply["error"]["type"] == "invalid_request_error"
