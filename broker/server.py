@@ -8,8 +8,6 @@ is SERVING only while this replica is the leader (readiness: route traffic here)
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import signal
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -26,6 +24,7 @@ from broker.runtime import BrokerRuntime
 from broker.service import BrokerService
 from broker.store import Election, MemoryStore, SoloElection, Store
 from kvloop.config import parse_host_port
+from kvloop.serving import wait_for_stop, write_port_file
 from kvloop.v1 import broker_pb2, broker_pb2_grpc
 
 log = structlog.get_logger("kvloop.broker")
@@ -111,23 +110,14 @@ async def start_broker(config: BrokerConfig, metrics: BrokerMetrics | None = Non
     log.info("broker.listening", address=f"{host}:{bound}", metrics_port=metrics_port, store=store.kind,
              replica=config.replica, policy=config.eviction_policy)
     if config.port_file is not None:
-        tmp = config.port_file.with_suffix(".tmp")
-        tmp.write_text(str(bound))
-        tmp.replace(config.port_file)
+        write_port_file(config.port_file, bound)
     return RunningBroker(config, server, runtime, health_servicer, bound, metrics_port, metrics_server, watcher)
 
 
 async def serve(config: BrokerConfig) -> None:
     """Run until SIGTERM or SIGINT, then shut down gracefully."""
     running = await start_broker(config)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     try:
-        await stop.wait()
+        await wait_for_stop()
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(Exception):
-                loop.remove_signal_handler(sig)
         await running.stop()

@@ -32,7 +32,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import signal
 import sys
 import urllib.request
 from collections.abc import AsyncIterator
@@ -53,6 +52,7 @@ from kvloop.config import ServiceConfig, parse_host_port, setting
 from kvloop.errors import ConfigError
 from kvloop.hashing import ExtraKeys, block_keys
 from kvloop.pd import BANDWIDTH_SAMPLE_MIN_BYTES
+from kvloop.serving import wait_for_stop, write_port_file
 from kvloop.telemetry import LOG_FORMATS, LOG_LEVELS, configure_logging, configure_tracing
 from kvloop.v1 import broker_pb2 as pb
 from kvloop.v1 import engine_link_pb2 as lpb
@@ -486,15 +486,9 @@ async def serve(config: SidecarConfig, stop: asyncio.Event | None = None) -> Non
     log.info("sidecar.listening", engine=config.engine_id, grpc=sidecar.grpc_address, socket=str(config.socket),
              metrics_port=metrics_server.server_port if metrics_server else None)
     if config.port_file is not None:
-        tmp = config.port_file.with_suffix(".tmp")
-        tmp.write_text(str(bound))
-        tmp.replace(config.port_file)
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        write_port_file(config.port_file, bound)
     try:
-        await stop.wait()
+        await wait_for_stop(stop)
     finally:
         log.info("sidecar.stopping", engine=config.engine_id)
         follower.cancel()

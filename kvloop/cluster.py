@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import json
 import random
-import signal
 import sys
 import threading
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kvloop import procs
+from kvloop.serving import wait_for_stop
 
 DEMO_SYSTEM = ("You are a coding agent. You read files, run tools and keep short notes. " * 60).strip()
 TOOLS = ("ls src/", "grep -n retain engines/*.py", "pytest -q tests/unit", "cat broker/core/placement.py",
@@ -179,11 +179,7 @@ async def _up(args: argparse.Namespace) -> None:
         if args.once:
             return
         print("\nkvloop up: serving; Ctrl-C to stop.", flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        await wait_for_stop()
     finally:
         print("kvloop up: stopping router, engines, broker ...", flush=True)
         if router is not None:

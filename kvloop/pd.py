@@ -36,6 +36,24 @@ here: 2.6 MB in 66 ms, i.e. 40 MB/s "bandwidth" from a link that moves ~7 GB/s, 
 pull look dearer than recomputing."""
 
 
+def transfer_params(plan: pb.Plan, pin: pb.PinBlocksResponse) -> dict[str, Any]:
+    """The prefill's ``kv_transfer_params`` for pulling the pinned prefix of the plan's source lease."""
+    host, _, port = plan.source_addresses.nixl.rpartition(":")
+    return {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": plan.source_engine_id,
+            "remote_request_id": LEASE_READ_PREFIX + plan.source_lease_id,
+            "remote_block_ids": [list(pin.block_ids)[: plan.matched_blocks]], "remote_host": host,
+            "remote_port": int(port), "remote_num_tokens": int(plan.matched_tokens), "tp_size": 1}
+
+
+def complete_request(pin: pb.PinBlocksResponse, report: dict[str, Any]) -> pb.CompleteTransferRequest:
+    """``CompleteTransfer`` for a pin from the prefill's ``kvloop`` report (no report: the pull did not happen).
+    Only pulls of ``BANDWIDTH_SAMPLE_MIN_BYTES`` or more carry a duration to learn bandwidth from."""
+    nbytes = int(report.get("pulled_bytes", 0))
+    duration = float(report.get("pull_ms", 0.0)) / 1e3 if nbytes >= BANDWIDTH_SAMPLE_MIN_BYTES else 0.0
+    return pb.CompleteTransferRequest(pin_id=pin.pin_id, success=bool(report) and not report.get("pull_failed"),
+                                      bytes=nbytes, duration_s=duration)
+
+
 def post_json(url: str, body: dict[str, Any], timeout_s: float = 300.0) -> dict[str, Any]:
     request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
     with urllib.request.urlopen(request, timeout=timeout_s) as reply:
@@ -110,12 +128,7 @@ class PDDriver:
             if pin is None:
                 decision = "RECOMPUTE"
             else:
-                host, _, port = plan.source_addresses.nixl.rpartition(":")
-                params.update(remote_engine_id=plan.source_engine_id,
-                              remote_request_id=LEASE_READ_PREFIX + plan.source_lease_id,
-                              remote_block_ids=[list(pin.block_ids)[: plan.matched_blocks]], remote_host=host,
-                              remote_port=int(port), remote_num_tokens=int(plan.matched_tokens), tp_size=1)
-                params.update(prefill_params or {})
+                params = {**transfer_params(plan, pin), **(prefill_params or {})}
         body = {"model": self.model, "prompt": prompt_ids, "max_tokens": 1, "temperature": 0,
                 "kv_transfer_params": params}
         if prefill_salt:
@@ -125,11 +138,7 @@ class PDDriver:
         p_params = dict(prefilled.get("kv_transfer_params") or {})
         report = dict(p_params.pop("kvloop", {}) or {})
         if pin is not None:
-            with_err = bool(report.get("pull_failed")) or not report
-            nbytes = int(report.get("pulled_bytes", 0))
-            duration = float(report.get("pull_ms", 0.0)) / 1e3 if nbytes >= BANDWIDTH_SAMPLE_MIN_BYTES else 0.0
-            self.stub.CompleteTransfer(pb.CompleteTransferRequest(pin_id=pin.pin_id, success=not with_err,
-                                                                  bytes=nbytes, duration_s=duration), timeout=10)
+            self.stub.CompleteTransfer(complete_request(pin, report), timeout=10)
         decode_id = plan.decode_engine_id
         p_params["kvloop_session_id"] = session
         body = {"model": self.model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,

@@ -12,10 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import signal
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -24,6 +22,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvloop.config import parse_host_port
+from kvloop.serving import wait_for_stop, write_port_file
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.turn import TurnError, TurnRunner
@@ -233,9 +232,7 @@ async def start_router(config: RouterConfig) -> RunningRouter:
     bound = web_runner.addresses[0][1]
     refresher = asyncio.create_task(runner.refresh_forever())
     if config.port_file:
-        tmp = Path(config.port_file).with_suffix(".tmp")
-        tmp.write_text(str(bound))
-        tmp.replace(config.port_file)
+        write_port_file(config.port_file, bound)
     log.info("router.listening", address=f"{host}:{bound}", broker=config.broker or None,
              engines=len(runner.directory.engines))
     return RunningRouter(config, runner, web_runner, bound, refresher, http)
@@ -243,11 +240,7 @@ async def start_router(config: RouterConfig) -> RunningRouter:
 
 async def serve(config: RouterConfig) -> None:
     running = await start_router(config)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     try:
-        await stop.wait()
+        await wait_for_stop()
     finally:
         await running.stop()

@@ -32,7 +32,7 @@ from opentelemetry import propagate, trace
 
 from kvloop.client import BrokerClient, PlacementStream
 from kvloop.hashing import ExtraKeys, block_keys
-from kvloop.pd import BANDWIDTH_SAMPLE_MIN_BYTES, LEASE_READ_PREFIX
+from kvloop.pd import complete_request, transfer_params
 from kvloop.v1 import broker_pb2 as pb
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
@@ -232,11 +232,7 @@ class TurnRunner:
             if pin is None:
                 decision, reason = "RECOMPUTE", "pin_refused"
             else:
-                host, _, port = plan.source_addresses.nixl.rpartition(":")
-                params.update(remote_engine_id=plan.source_engine_id,
-                              remote_request_id=LEASE_READ_PREFIX + plan.source_lease_id,
-                              remote_block_ids=[list(pin.block_ids)[: plan.matched_blocks]], remote_host=host,
-                              remote_port=int(port), remote_num_tokens=int(plan.matched_tokens), tp_size=1)
+                params = transfer_params(plan, pin)
         prepared = Prepared(kind=kind, session=session, body=body, decode=decode, decode_params={}, span=span,
                             started=started, decision=decision, reason=reason, prompt_tokens=len(tokens),
                             matched_tokens=int(plan.matched_tokens) if plan else 0)
@@ -291,10 +287,7 @@ class TurnRunner:
 
     def _complete(self, pin: pb.PinBlocksResponse, report: dict[str, Any]) -> None:
         assert self.broker is not None
-        nbytes = int(report.get("pulled_bytes", 0))
-        duration = float(report.get("pull_ms", 0.0)) / 1e3 if nbytes >= BANDWIDTH_SAMPLE_MIN_BYTES else 0.0
-        request = pb.CompleteTransferRequest(pin_id=pin.pin_id, success=bool(report) and not report.get("pull_failed"),
-                                             bytes=nbytes, duration_s=duration)
+        request = complete_request(pin, report)
 
         async def send() -> None:
             try:

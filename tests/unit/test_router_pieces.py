@@ -1,0 +1,108 @@
+"""Pure pieces of the router and the turn protocol: request validation, the engine directory, the prefill's
+transfer params, the CompleteTransfer report, short socket paths, the router's config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engines.launcher import rpc_dir, short_path
+from kvloop.errors import ConfigError
+from kvloop.pd import BANDWIDTH_SAMPLE_MIN_BYTES, LEASE_READ_PREFIX, complete_request, transfer_params
+from kvloop.v1 import broker_pb2 as pb
+from router.config import RouterConfig
+from router.server import validate
+from router.turn import Directory, TurnError
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize(("kind", "body", "status", "param"), [
+    ("chat", [], 400, None),
+    ("chat", {"messages": CHAT["messages"]}, 400, "model"),
+    ("chat", {**CHAT, "model": "other"}, 404, "model"),
+    ("chat", {**CHAT, "messages": []}, 400, "messages"),
+    ("chat", {**CHAT, "messages": [{"content": "no role"}]}, 400, "messages"),
+    ("chat", {**CHAT, "max_tokens": 0}, 400, "max_tokens"),
+    ("chat", {**CHAT, "max_tokens": True}, 400, "max_tokens"),
+    ("chat", {**CHAT, "max_completion_tokens": -3}, 400, "max_completion_tokens"),
+    ("chat", {**CHAT, "n": 3}, 400, "n"),
+    ("chat", {**CHAT, "stream": "yes"}, 400, "stream"),
+    ("completion", {"model": "m", "prompt": ""}, 400, "prompt"),
+    ("completion", {"model": "m", "prompt": [1, -2]}, 400, "prompt"),
+    ("completion", {"model": "m", "prompt": [1, True]}, 400, "prompt"),
+])
+def test_validate_refuses_with_openai_errors(kind: str, body: Any, status: int, param: str | None) -> None:
+    with pytest.raises(TurnError) as info:
+        validate(kind, body, "m")
+    assert info.value.status == status and info.value.param == param
+    error = info.value.body()["error"]
+    assert error["code"] == status and error["type"] == "invalid_request_error" and error["message"]
+
+
+def test_validate_accepts_good_requests() -> None:
+    assert validate("chat", {**CHAT, "stream": True, "max_tokens": 5}, "m")["stream"] is True
+    assert validate("completion", {"model": "x", "prompt": [1, 2, 3]}, "")["prompt"] == [1, 2, 3]
+    assert validate("completion", {"model": "x", "prompt": "text"}, "")
+
+
+def inspect_reply(*engines: tuple[str, int, str]) -> pb.InspectResponse:
+    return pb.InspectResponse(engines=[pb.EngineStatus(engine=pb.Engine(
+        engine_id=eid, role=role, block_size=128, layout_fingerprint="fp",
+        addresses=pb.EngineAddresses(http=url, nixl="127.0.0.1:5600"))) for eid, role, url in engines])
+
+
+def test_directory_prefers_the_broker_list_and_round_robins() -> None:
+    config = RouterConfig(broker="127.0.0.1:1", prefill_urls="http://static-p:1", decode_urls="http://static-d:1")
+    d = Directory(config)
+    assert [e.http for e in d.of_role("prefill")] == ["http://static-p:1"]  # nothing learned yet
+    assert d.layout() is None
+    d.update(inspect_reply(("p1", pb.ENGINE_ROLE_PREFILL, "http://p1:8000"), ("p2", pb.ENGINE_ROLE_PREFILL,
+                                                                              "http://p2:8000/"),
+                           ("d1", pb.ENGINE_ROLE_DECODE, "http://d1:8000"), ("b1", pb.ENGINE_ROLE_BOTH, "http://b1:1")))
+    assert {e.engine_id for e in d.of_role("prefill")} == {"p1", "p2", "b1"}
+    assert {e.engine_id for e in d.of_role("decode")} == {"d1", "b1"}
+    picks = {d.pick("prefill").engine_id for _ in range(6)}  # type: ignore[union-attr]
+    assert picks == {"p1", "p2", "b1"}
+    assert d.pick("decode", {"d1", "b1"}) is None
+    assert d.engines["p2"].http == "http://p2:8000" and d.layout() == ("fp", 128)
+
+
+def test_transfer_params_name_the_pinned_prefix() -> None:
+    plan = pb.Plan(source_engine_id="dec", source_lease_id="L1", matched_blocks=2, matched_tokens=256,
+                   source_addresses=pb.EngineAddresses(nixl="10.0.0.7:5601"))
+    pin = pb.PinBlocksResponse(pin_id="P", block_ids=[7, 8, 9])
+    params = transfer_params(plan, pin)
+    assert params["remote_block_ids"] == [[7, 8]] and params["remote_num_tokens"] == 256
+    assert params["remote_host"] == "10.0.0.7" and params["remote_port"] == 5601
+    assert params["remote_request_id"] == LEASE_READ_PREFIX + "L1" and params["do_remote_decode"] is True
+
+
+def test_complete_request_learns_bandwidth_only_from_big_pulls() -> None:
+    pin = pb.PinBlocksResponse(pin_id="P")
+    small = complete_request(pin, {"pulled_bytes": 1000, "pull_ms": 50.0, "pull_failed": False})
+    assert small.success and small.bytes == 1000 and small.duration_s == 0.0
+    big = complete_request(pin, {"pulled_bytes": BANDWIDTH_SAMPLE_MIN_BYTES, "pull_ms": 4.0, "pull_failed": False})
+    assert big.duration_s == pytest.approx(0.004)
+    assert not complete_request(pin, {"pulled_bytes": 0, "pull_failed": True}).success
+    assert not complete_request(pin, {}).success  # no report: the pull did not happen
+
+
+def test_short_paths_fit_unix_sockets(tmp_path: Path) -> None:
+    deep = Path("/tmp") / ("x" * 90) / "run" / "engine"
+    assert len(str(rpc_dir(deep))) + 38 < 108 and str(rpc_dir(deep)).startswith("/tmp/kvloop-rpc-")
+    assert rpc_dir(deep) == rpc_dir(deep) != rpc_dir(deep / "other")
+    shallow = Path("/tmp/e")
+    assert rpc_dir(shallow) == shallow / "rpc" and short_path(shallow / "s.sock", 0, "k") == shallow / "s.sock"
+
+
+def test_router_config_names_the_bad_field() -> None:
+    with pytest.raises(ConfigError, match=r"^broker"):
+        RouterConfig.load({}, env={})
+    with pytest.raises(ConfigError, match=r"^decode_urls"):
+        RouterConfig.load({}, env={"KVLOOP_ROUTER_PREFILL_URLS": "http://p:1", "KVLOOP_ROUTER_DECODE_URLS": "d:1"})
+    with pytest.raises(ConfigError, match=r"^broker_timeout_s"):
+        RouterConfig.load({}, env={"KVLOOP_ROUTER_BROKER": "127.0.0.1:1", "KVLOOP_ROUTER_BROKER_TIMEOUT_S": "0"})
+    assert RouterConfig.load({}, env={"KVLOOP_ROUTER_BROKER": "127.0.0.1:1"}).listen == "127.0.0.1:8080"
