@@ -1,4 +1,5 @@
-"""The ``kvloop`` command: ``broker serve|status``, ``up``, ``model tiny``, ``engine``, ``bench broker|engines``."""
+"""The ``kvloop`` command: ``broker serve|status``, ``up``, ``demo``, ``router``, ``model tiny``, ``engine``,
+``bench broker|engines|multiturn``."""
 
 from __future__ import annotations
 
@@ -131,6 +132,12 @@ def _bench_engines(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
+def _bench_multiturn(args: argparse.Namespace) -> int:
+    from router.bench import main as bench_main
+
+    return bench_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from broker.config import BrokerConfig
 
@@ -192,6 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_engines_bench_arguments(bench_engines)
     bench_engines.set_defaults(func=_bench_engines)
+    bench_multiturn = bench.add_parser("multiturn", help="one multi-turn workload through one_way, upstream, kvloop "
+                                                         "and ideal configurations, with TTFT percentiles and ratios")
+    from router.bench import add_arguments as add_multiturn_arguments
+
+    add_multiturn_arguments(bench_multiturn)
+    bench_multiturn.set_defaults(func=_bench_multiturn)
     return parser
 
 

@@ -1,0 +1,80 @@
+"""A small-scale ``kvloop bench multiturn`` (2 conversations, 3 turns, every configuration and the pressure
+scenario) as a real subprocess. It checks the JSON's shape and that every request was answered, not speed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from router.workload import WorkloadSpec, replay, synthetic
+
+ROOT = Path(__file__).resolve().parents[2]
+QUANTILES = {"p50", "p95", "p99"}
+
+
+def test_synthetic_workload_is_seeded_and_shaped() -> None:
+    spec = WorkloadSpec(conversations=3, turns_min=2, turns_max=4, system_tokens=50, own_prefix_tokens=20,
+                        new_min=5, new_max=9, output_tokens=4)
+    a, b = synthetic(spec), synthetic(spec)
+    assert [(c.prefix, c.new_tokens) for c in a] == [(c.prefix, c.new_tokens) for c in b]
+    assert len(a) == 3 and all(2 <= c.turns <= 4 for c in a)
+    assert all(c.prefix[:50] == a[0].prefix[:50] for c in a)  # the shared system prefix
+    assert all(5 <= len(t) <= 9 for c in a for t in c.new_tokens)
+    other_seed = synthetic(WorkloadSpec(seed=1, conversations=1))[0].prefix
+    assert other_seed != synthetic(WorkloadSpec(conversations=1))[0].prefix
+    with pytest.raises(ValueError, match="turns_max"):
+        WorkloadSpec(turns_min=5, turns_max=2).validate()
+
+
+def test_replay_splits_conversations_at_user_turns(tmp_path: Path) -> None:
+    path = tmp_path / "convs.jsonl"
+    conv = [{"role": "system", "content": "s"}, {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    path.write_text(json.dumps({"messages": conv}) + "\n\n" + json.dumps(conv[:2]) + "\n")
+
+    def tokenize(messages: list[dict[str, str]]) -> list[int]:  # a fake tokenizer: one id per character
+        return [ord(ch) for m in messages for ch in m["role"] + m["content"]]
+
+    out = replay(path, tokenize)
+    assert [c.turns for c in out] == [2, 1]
+    first = out[0]
+    assert first.new_tokens[0] == tokenize(conv[:2])
+    assert first.new_tokens[0] + first.new_tokens[1] == tokenize(conv)
+    (tmp_path / "bad.jsonl").write_text('{"messages": [1, 2]}\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1"):
+        replay(tmp_path / "bad.jsonl", tokenize)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_small_multiturn_run_writes_the_promised_json(tiny_model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "multiturn.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "kvloop.cli", "bench", "multiturn", "--model", str(tiny_model), "--conversations", "2",
+         "--turns-min", "3", "--turns-max", "3", "--system-tokens", "200", "--own-prefix-tokens", "300",
+         "--new-min", "60", "--new-max", "90", "--output-tokens", "8", "--timeout-s", "120",
+         "--work-dir", str(tmp_path / "w"), "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=1500, stdin=subprocess.DEVNULL, env=dict(os.environ))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert set(data) >= {"configs", "ratios", "workload", "machine"}
+    assert set(data["configs"]) == {"one_way", "upstream", "kvloop", "ideal", "upstream_pressure", "kvloop_pressure"}
+    for name, config in data["configs"].items():
+        assert set(config["ttft_ms"]) == QUANTILES and set(config["late_ttft_ms"]) == QUANTILES, name
+        assert config["requests"] == 6 and config["errors"] == 0, (name, config)
+        assert all(v is not None and v > 0 for v in config["ttft_ms"].values()), (name, config)
+        assert sum(config["decisions"].values()) == 6
+    assert data["configs"]["kvloop"]["decisions"].get("TRANSFER", 0) >= 2  # turns 2 and 3 of each conversation
+    assert set(data["ratios"]) == {"one_way_over_kvloop_late_p50", "one_way_over_kvloop_late_p99",
+                                   "kvloop_over_ideal_late_p50", "upstream_over_kvloop_late_p50",
+                                   "upstream_over_kvloop_late_p99", "pressure_upstream_over_kvloop_late_p50",
+                                   "pressure_upstream_over_kvloop_late_p99"}
+    assert all(isinstance(v, float) and v > 0 for v in data["ratios"].values()), data["ratios"]
+    assert data["workload"]["conversations"] == 2 and "sizing" in data["workload"]
+    assert Path(data["plot"]).stat().st_size > 1000
+    assert "one_way_over_kvloop_late_p50" in result.stdout  # the printed table and ratios
