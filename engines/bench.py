@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engines.config import EngineConfig
+from engines.config import EngineConfig, split_cores
 from engines.launcher import EngineProcess, plan_engine, spawn_engine
 from engines.layout import engine_fingerprint
 from kvloop import procs
@@ -73,16 +73,16 @@ def idle_cpu(engines: list[EngineProcess], seconds: float, settle_s: float = 3.0
 
 
 def start_cluster(model: Path, work: Path, connector: str, broker: str) -> list[EngineProcess]:
-    cpus = sorted(os.sched_getaffinity(0))
     extra = json.dumps({"bidirectional_kv_xfer": True, "kv_lease_duration": 180})
+    cores = dict(zip(("prefill", "decode"), split_cores(2), strict=True))
     started: list[EngineProcess] = []
     try:
         for i, role in enumerate(("prefill", "prefill", "decode")):
-            # Two cores for three engines: each engine may use every core, as a default deployment would.
+            # Prefill engines share half the cores, the decode engine has the other half.
             config = EngineConfig(role=role, model=model, max_model_len=16384, work_dir=work, connector=connector,
                                   broker=broker if connector == "kvloop" else "", engine_id=f"{role}-{i}",
                                   kv_role="kv_producer" if role == "prefill" else "kv_consumer",
-                                  kv_connector_extra_config=extra, omp_threads_bind=",".join(map(str, cpus)),
+                                  kv_connector_extra_config=extra, omp_threads_bind=cores[role],
                                   log_level="warning")
             started.append(spawn_engine(plan_engine(config)))
         for engine in started:

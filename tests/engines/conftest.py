@@ -10,7 +10,6 @@ with the broker) and are stopped at teardown, even when a test fails. Tests that
 from __future__ import annotations
 
 import json
-import os
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.config import EngineConfig, vllm_distribution
+from engines.config import EngineConfig, split_cores, vllm_distribution
 from engines.launcher import EngineProcess, plan_engine, spawn_engine
 from kvloop import procs
 
@@ -37,16 +36,8 @@ BROKER_FLAGS = ("--keepalive-interval-s", "1", "--engine-ttl-s", "10", "--defaul
 
 
 def split_cpus(parts: int) -> list[str]:
-    """This process's CPUs cut into ``parts`` disjoint lists for VLLM_CPU_OMP_THREADS_BIND ("auto" when too few).
-
-    Engines on one machine need disjoint cores: vLLM's CPU workers spin (OpenMP and shared-memory
-    queues), and two engines bound to the same two cores starved each other's NIXL handshake thread
-    here (the decode engine waited minutes for the prefill engine's reply)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < parts:
-        return ["auto"] * parts
-    size = len(cpus) // parts
-    return [",".join(str(c) for c in cpus[i * size:(i + 1) * size]) for i in range(parts)]
+    """This process's CPUs cut into ``parts`` disjoint lists (see :func:`engines.config.split_cores`)."""
+    return split_cores(parts)
 
 
 def pytest_configure(config: pytest.Config) -> None:
