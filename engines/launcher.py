@@ -56,7 +56,6 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
 from engines.config import EngineConfig, is_cpu_build
 from kvloop import procs
@@ -246,12 +245,6 @@ def build_env(config: EngineConfig, *, work_dir: Path, run_dir: Path, nixl_port:
     root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join([root, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
     return env
-
-
-class Sidecar(Protocol):
-    """What :func:`spawn_sidecar` returns (a :class:`kvloop.procs.Proc`)."""
-
-    def stop(self, timeout_s: float = ..., sig: int = ...) -> int: ...
 
 
 def spawn_sidecar(plan: EnginePlan) -> procs.Proc | None:

@@ -53,10 +53,11 @@ def demo_add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tool-time-s", type=float, default=0.5, help="the agent's tool run between turns")
 
 
-async def run_demo(router_url: str, *, model: str = "", turns: int = 6, max_tokens: int = 24, seed: int = 0
-                   ) -> list[dict[str, Any]]:
+async def run_demo(router_url: str, *, model: str = "", turns: int = 6, max_tokens: int = 24, seed: int = 0,
+                   tool_time_s: float = 0.5) -> list[dict[str, Any]]:
     import aiohttp
 
     rng = random.Random(seed)
@@ -98,12 +99,15 @@ async def run_demo(router_url: str, *, model: str = "", turns: int = 6, max_toke
                   f"{row['pulled_tokens']:>7} {row['local_tokens']:>6} {row['computed_tokens']:>8} "
                   f"{row['ttft_ms']:>8}", flush=True)
             messages.append({"role": "assistant", "content": "".join(text)})
+            # The agent runs its next tool before it asks again. (The decode engine's sidecar publishes the
+            # turn's KV a few milliseconds after the answer; a turn sent before that would recompute, correctly.)
+            await asyncio.sleep(tool_time_s)
     return rows
 
 
 def demo_main(args: argparse.Namespace) -> int:
     asyncio.run(run_demo(args.router.rstrip("/"), model=args.model, turns=args.turns, max_tokens=args.max_tokens,
-                         seed=args.seed))
+                         seed=args.seed, tool_time_s=args.tool_time_s))
     return 0
 
 

@@ -6,6 +6,7 @@ reached, and bad input refused in OpenAI's error shape.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -75,6 +76,25 @@ async def stream_chat(url: str, body: dict[str, Any]) -> str:
     return "".join(text)
 
 
+async def lease_ids(broker: str) -> set[str]:
+    from kvloop.client import BrokerClient
+    from kvloop.v1 import broker_pb2 as pb
+
+    async with BrokerClient(broker) as client:
+        reply = await client.call("Inspect", pb.InspectRequest())
+    return {lease.lease_id for lease in reply.leases}
+
+
+async def wait_new_lease(broker: str, before: set[str]) -> None:
+    """The decode's sidecar publishes a finished turn's lease a few milliseconds after the answer: a client that
+    sends its next turn at once (these tests have no think time) waits for it, or the turn may miss it."""
+    for _ in range(300):
+        if await lease_ids(broker) - before:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("no new lease was published after the turn")
+
+
 def chat_body(model: str, messages: list[dict[str, str]], max_tokens: int = 12, **extra: Any) -> dict[str, Any]:
     return {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, **extra}
 
@@ -118,6 +138,7 @@ async def test_four_turn_chat_transfers_from_turn_two_and_matches_recompute(rout
         # A new cache_salt per turn keeps the prefill engine's own prefix cache out (block keys do not include
         # it), so every matched block is pulled from the decode engine.
         body = chat_body(model, messages, logprobs=True, top_logprobs=2, cache_salt=f"agent-1-turn-{turn}")
+        before = await lease_ids(pd_engines.broker)
         if turn == 3:
             text = await stream_chat(f"{router.url}/v1/chat/completions", {**body, "user": "agent-1"})
         else:
@@ -130,6 +151,8 @@ async def test_four_turn_chat_transfers_from_turn_two_and_matches_recompute(rout
             assert status == 200
             assert_same_tokens(reply, reference)
         messages.append({"role": "assistant", "content": text})
+        if turn < 3:
+            await wait_new_lease(pd_engines.broker, before)
     spans = turn_spans()
     assert len(spans) == 4
     decisions = [s.attributes["kvloop.decision"] for s in spans]
@@ -150,9 +173,11 @@ async def test_edited_history_reuses_only_the_unchanged_prefix(router: RunningRo
     model = pd_engines.model_name
     first = [{"role": "system", "content": SYSTEM.replace("Rule", "Law")},
              {"role": "user", "content": "Plan the next step."}]
+    before = await lease_ids(pd_engines.broker)
     status, reply = await post(f"{router.url}/v1/chat/completions", chat_body(model, first, max_tokens=24))
     assert status == 200
     answer = reply["choices"][0]["message"]["content"]
+    await wait_new_lease(pd_engines.broker, before)
     # The client strips part of the assistant's answer (as agents drop reasoning text) and edits the user turn.
     edited = [first[0], {"role": "user", "content": "Plan the NEXT step, carefully."},
               {"role": "assistant", "content": answer[: len(answer) // 2]}, {"role": "user", "content": "Go on."}]
