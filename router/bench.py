@@ -147,11 +147,12 @@ async def _post(http: aiohttp.ClientSession, url: str, body: dict[str, Any], tim
         return data
 
 
-async def _stream(http: aiohttp.ClientSession, url: str, body: dict[str, Any], t0: float, timeout_s: float
-                  ) -> tuple[list[int], float, dict[str, str]]:
+async def _stream(http: aiohttp.ClientSession, url: str, body: dict[str, Any], t0: float, timeout_s: float,
+                  headers: dict[str, str] | None = None) -> tuple[list[int], float, dict[str, str]]:
+    """A streamed completion: its token ids, TTFT (first token since ``t0``) and the reply's headers."""
     ids: list[int] = []
     ttft = 0.0
-    async with http.post(url, json={**body, "stream": True, "return_token_ids": True},
+    async with http.post(url, json={**body, "stream": True, "return_token_ids": True}, headers=headers,
                          timeout=aiohttp.ClientTimeout(total=timeout_s)) as reply:
         if reply.status >= 400:
             raise RuntimeError(f"{url} answered {reply.status}: {(await reply.text())[:200]}")
@@ -240,28 +241,9 @@ class RouterClient(Client):
         self.router = router
 
     async def turn(self, conv: str, prompt: list[int], max_tokens: int) -> tuple[list[int], float, str]:
-        t0 = time.perf_counter()
-        async with self.http.post(f"{self.router}/v1/completions",
-                                  json={**self.body(prompt, max_tokens), "stream": True, "return_token_ids": True},
-                                  headers={"x-session-id": conv},
-                                  timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as reply:
-            if reply.status >= 400:
-                raise RuntimeError(f"router answered {reply.status}: {(await reply.text())[:200]}")
-            decision = reply.headers.get("x-kvloop-decision", "?")
-            ids: list[int] = []
-            ttft = 0.0
-            async for raw in reply.content:
-                line = raw.decode().strip()
-                if line.startswith("data: {"):
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        raise RuntimeError(str(chunk["error"])[:200])
-                    for choice in chunk.get("choices", []):
-                        new = list(choice.get("token_ids") or [])
-                        if new and not ttft:
-                            ttft = time.perf_counter() - t0
-                        ids += new
-        return ids, ttft or time.perf_counter() - t0, decision
+        ids, ttft, headers = await _stream(self.http, f"{self.router}/v1/completions", self.body(prompt, max_tokens),
+                                           time.perf_counter(), self.timeout_s, headers={"x-session-id": conv})
+        return ids, ttft, headers.get("x-kvloop-decision", headers.get("X-Kvloop-Decision", "?"))
 
 
 class AggregatedClient(Client):
