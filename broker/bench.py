@@ -161,8 +161,8 @@ def _bench_store(store: str, args: argparse.Namespace, work: Path) -> dict[str, 
         os.sched_setaffinity(0, client_cpus)
     try:
         from broker.server import SERVICE_NAME
-        from kvloop.cli import run_async
         from kvloop.client import wait_serving
+        from kvloop.serving import run_async
 
         run_async(wait_serving(broker.extra["address"], SERVICE_NAME, timeout_s=30))
         results = {}

@@ -52,8 +52,8 @@ from kvloop.config import ServiceConfig, parse_host_port, setting
 from kvloop.errors import ConfigError
 from kvloop.hashing import ExtraKeys, block_keys
 from kvloop.pd import BANDWIDTH_SAMPLE_MIN_BYTES
-from kvloop.serving import wait_for_stop, write_port_file
-from kvloop.telemetry import LOG_FORMATS, LOG_LEVELS, configure_logging, configure_tracing
+from kvloop.serving import run_service, wait_for_stop, write_port_file
+from kvloop.telemetry import LOG_FORMATS, LOG_LEVELS
 from kvloop.v1 import broker_pb2 as pb
 from kvloop.v1 import engine_link_pb2 as lpb
 from kvloop.v1 import engine_link_pb2_grpc
@@ -509,16 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"kvloop sidecar: invalid configuration: {exc}", file=sys.stderr)
         return 2
-    configure_logging(config.log_format, config.log_level)
-    provider = configure_tracing("kvloop-sidecar")
-    from kvloop.cli import run_async
-
-    try:
-        run_async(serve(config))
-    finally:
-        if provider is not None:
-            provider.shutdown()
-    return 0
+    return run_service("kvloop-sidecar", config, serve)
 
 
 if __name__ == "__main__":

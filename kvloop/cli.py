@@ -6,37 +6,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from collections.abc import Coroutine
-from typing import Any, TypeVar
+from typing import Any
 
 from kvloop.errors import ConfigError
-
-T = TypeVar("T")
-
-
-def run_async(main: Coroutine[Any, Any, T]) -> T:
-    """``asyncio.run`` on uvloop where it is installed (a faster event loop for the gRPC services)."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(main)
-    return uvloop.run(main)
+from kvloop.serving import run_service
 
 
 def _broker_serve(args: argparse.Namespace) -> int:
     from broker.config import BrokerConfig
     from broker.server import serve
-    from kvloop.telemetry import configure_logging, configure_tracing
 
     config = BrokerConfig.load(args)
-    configure_logging(config.log_format, config.log_level)
-    provider = configure_tracing("kvloop-broker", console_spans=config.console_spans)
-    try:
-        run_async(serve(config))
-    finally:
-        if provider is not None:
-            provider.shutdown()
-    return 0
+    return run_service("kvloop-broker", config, serve, console_spans=config.console_spans)
 
 
 def format_status(reply: Any) -> str:
@@ -111,19 +92,11 @@ def _bench_broker(args: argparse.Namespace) -> int:
 
 
 def _router(args: argparse.Namespace) -> int:
-    from kvloop.telemetry import configure_logging, configure_tracing
     from router.config import RouterConfig
     from router.server import serve
 
     config = RouterConfig.load(args)
-    configure_logging(config.log_format, config.log_level)
-    provider = configure_tracing("kvloop-router", console_spans=config.console_spans)
-    try:
-        run_async(serve(config))
-    finally:
-        if provider is not None:
-            provider.shutdown()
-    return 0
+    return run_service("kvloop-router", config, serve, console_spans=config.console_spans)
 
 
 def _bench_engines(args: argparse.Namespace) -> int:

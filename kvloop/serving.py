@@ -1,12 +1,42 @@
-"""Small pieces every kvloop service shell shares: the port file a launcher waits for, and the wait for
-SIGTERM/SIGINT that starts a graceful shutdown."""
+"""Small pieces every kvloop service shell shares: running a service's coroutine with its logging and
+tracing set up, the port file a launcher waits for, and the wait for SIGTERM/SIGINT that starts a graceful
+shutdown."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import signal
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def run_async(main: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run`` on uvloop where it is installed (a faster event loop for the gRPC services)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
+def run_service(name: str, config: Any, serve: Callable[[Any], Coroutine[Any, Any, None]], *,
+                console_spans: bool = False) -> int:
+    """Configure logging (from ``config.log_format``/``log_level``) and tracing for service ``name``, run
+    ``serve(config)`` until it returns, then flush the spans. Returns the exit code 0."""
+    from kvloop.telemetry import configure_logging, configure_tracing
+
+    configure_logging(config.log_format, config.log_level)
+    provider = configure_tracing(name, console_spans=console_spans)
+    try:
+        run_async(serve(config))
+    finally:
+        if provider is not None:
+            provider.shutdown()
+    return 0
 
 
 def write_port_file(path: Path | str, port: int) -> None:
