@@ -1,11 +1,12 @@
-"""The ``kvloop`` command: ``broker serve|status``, ``up``, ``demo``, ``router``, ``model tiny``, ``engine``,
-``bench broker|engines|multiturn``."""
+"""The ``kvloop`` command: ``broker serve|status``, ``up``, ``demo``, ``router``, ``model tiny|fingerprint``,
+``engine``, ``sidecar``, ``bench broker|engines|multiturn``."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import sys
+from pathlib import Path
 from typing import Any
 
 from kvloop.errors import ConfigError
@@ -99,6 +100,35 @@ def _router(args: argparse.Namespace) -> int:
     return run_service("kvloop-router", config, serve, console_spans=config.console_spans)
 
 
+def _sidecar(args: argparse.Namespace) -> int:
+    from engines.sidecar import SidecarConfig, serve
+
+    config = SidecarConfig.load(args)
+    return run_service("kvloop-sidecar", config, serve)
+
+
+def _model_fingerprint(args: argparse.Namespace) -> int:
+    """The layout fingerprint an engine of this model, dtype and block size registers with (what a sidecar in its
+    own container needs as ``layout_fingerprint``); ``--out`` writes it as a sidecar ``--config`` YAML file."""
+    from engines.config import DTYPES, EngineConfig
+    from engines.layout import engine_fingerprint
+
+    if not (args.model / "config.json").is_file():
+        raise ConfigError(f"model: {args.model} has no config.json", field="model")
+    if args.block_size is not None and (args.block_size <= 0 or args.block_size % 16):
+        raise ConfigError(f"block_size: must be a positive multiple of 16 (got {args.block_size})", field="block_size")
+    if args.dtype not in DTYPES:
+        raise ConfigError(f"dtype: must be one of {list(DTYPES)} (got {args.dtype!r})", field="dtype")
+    # The launcher's rule for the block size in the fingerprint: the configured one, else the platform's, else 16.
+    block_size = args.block_size or EngineConfig().resolved_block_size() or 16
+    fingerprint = engine_fingerprint(args.model, dtype=args.dtype, block_size=block_size)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(f"layout_fingerprint: \"{fingerprint}\"\n")  # quoted: never a YAML number
+    print(fingerprint)
+    return 0
+
+
 def _bench_engines(args: argparse.Namespace) -> int:
     from engines.bench import main as bench_main
 
@@ -146,6 +176,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_model_arguments(tiny)
     tiny.set_defaults(func=model_main)
+    fingerprint = model.add_parser("fingerprint", help="print the layout fingerprint of an engine serving this "
+                                                       "model (for a sidecar in its own container)")
+    fingerprint.add_argument("--model", type=Path, required=True, help="the model directory the engine serves")
+    fingerprint.add_argument("--dtype", default="auto", help="the engine's --dtype (default %(default)s)")
+    fingerprint.add_argument("--block-size", type=int, default=None,
+                             help="the engine's --block-size (default: the platform's, as the launcher: 128 on "
+                                  "the CPU build, else 16)")
+    fingerprint.add_argument("--out", type=Path, default=None,
+                             help="also write `layout_fingerprint: ...` here, a YAML file for the sidecar's --config")
+    fingerprint.set_defaults(func=_model_fingerprint)
 
     from router.config import RouterConfig
 
@@ -159,6 +199,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_engine_arguments(engine)
     engine.set_defaults(func=engine_main)
+
+    from engines.sidecar import SidecarConfig
+
+    sidecar = sub.add_parser("sidecar", help="run an engine's sidecar on its own (a container of the engine's pod; the "
+                                             "engine then runs without --broker, its connector given the socket as "
+                                             "kvloop_sidecar_socket in --kv-connector-extra-config)")
+    SidecarConfig.add_arguments(sidecar)
+    sidecar.set_defaults(func=_sidecar)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     bench_broker = bench.add_parser("broker", help="placement/publish/pin cycles against a real broker")
