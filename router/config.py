@@ -23,6 +23,9 @@ class RouterConfig(ServiceConfig):
     max_prompt_tokens: int = setting(131072, "longest prompt accepted, in tokens")
     request_timeout_s: float = setting(600.0, "deadline of one engine call")
     broker_timeout_s: float = setting(2.0, "deadline of one broker call; past it the turn recomputes")
+    publication_wait_s: float = setting(0.5, "for this long after a turn's answer, a next turn that extends it "
+                                             "re-places until the decode's lease of that answer is published "
+                                             "(agent loops with no think time); 0 = never wait")
     refresh_s: float = setting(2.0, "how often the engine list is refreshed from the broker")
     port_file: str = setting("", "write the bound HTTP port here once serving (for launchers)")
     console_spans: bool = setting(False, "print OpenTelemetry spans to stderr (OTLP uses OTEL_* variables)")
@@ -41,6 +44,7 @@ class RouterConfig(ServiceConfig):
                 self._require(url.startswith(("http://", "https://")), name, "must list http(s) URLs")
         for name in ("max_request_bytes", "max_prompt_tokens"):
             self._require(getattr(self, name) > 0, name, "must be positive")
+        self._require(self.publication_wait_s >= 0, "publication_wait_s", "must be 0 or more")
         for name in ("request_timeout_s", "broker_timeout_s", "refresh_s"):
             self._require(getattr(self, name) > 0, name, "must be positive")
 

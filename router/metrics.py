@@ -23,5 +23,8 @@ class RouterMetrics:
         self.broker_errors = Counter("kvloop_router_broker_errors_total", "Failed broker calls, by method",
                                      ["method"], registry=r)
         self.fallbacks = Counter("kvloop_router_fallbacks_total", "Fallbacks taken, by kind", ["kind"], registry=r)
+        self.publication_waits = Counter("kvloop_router_publication_waits_total", "Turns that re-placed while the "
+                                         "previous answer's lease was being published, by outcome", ["outcome"],
+                                         registry=r)
         self.requests = Counter("kvloop_router_requests_total", "HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)

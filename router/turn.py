@@ -36,9 +36,13 @@ from kvloop.pd import complete_request, transfer_params
 from kvloop.v1 import broker_pb2 as pb
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
+from router.recent import RecentTurns
 
 log = structlog.get_logger("kvloop.router")
 tracer = trace.get_tracer("kvloop.router")
+
+PUBLICATION_POLL_S = 0.01
+"""Re-place period while a lease is due (a PlaceStream call costs the broker ~0.1 ms)."""
 
 # Request fields that change how a chat is rendered into tokens: passed to /tokenize as given.
 CHAT_TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
@@ -117,6 +121,7 @@ class Prepared:
     report: dict[str, Any] = field(default_factory=dict)
     decode_alternatives: list[EngineInfo] = field(default_factory=list)
     decode_started_ns: int = 0
+    prompt_keys: list[bytes] = field(default_factory=list)
 
 
 class TurnRunner:
@@ -128,6 +133,7 @@ class TurnRunner:
         self.broker = BrokerClient(config.broker, timeout_s=config.broker_timeout_s) if config.broker else None
         self.placements = PlacementStream(self.broker.stub) if self.broker else None
         self._background: set[asyncio.Task[Any]] = set()
+        self.recent = RecentTurns(config.publication_wait_s)
 
     async def refresh(self) -> None:
         if self.broker is None:
@@ -215,7 +221,7 @@ class TurnRunner:
                                  f"({self.config.max_prompt_tokens})", "invalid_request_error", "messages")
         span.set_attribute("gen_ai.usage.input_tokens", len(tokens))
         with tracer.start_as_current_span("kvloop.place") as place_span:
-            plan = await self._place(tokens, session)
+            plan, keys = await self._place(tokens, session)
             decision = pb.Decision.Name(plan.decision).removeprefix("DECISION_") if plan else "RECOMPUTE"
             reason = plan.reason if plan else "broker_unavailable"
             place_span.set_attribute("kvloop.decision", decision)
@@ -235,7 +241,7 @@ class TurnRunner:
                 params = transfer_params(plan, pin)
         prepared = Prepared(kind=kind, session=session, body=body, decode=decode, decode_params={}, span=span,
                             started=started, decision=decision, reason=reason, prompt_tokens=len(tokens),
-                            matched_tokens=int(plan.matched_tokens) if plan else 0)
+                            matched_tokens=int(plan.matched_tokens) if plan else 0, prompt_keys=keys)
         with tracer.start_as_current_span("kvloop.prefill") as prefill_span:
             reply, used = await self._prefill(body, params, prefill)
             p_params = dict(reply.get("kv_transfer_params") or {})
@@ -253,16 +259,37 @@ class TurnRunner:
         prepared.decode_alternatives = [e for e in self.directory.of_role("decode") if e.engine_id != decode.engine_id]
         return prepared
 
-    async def _place(self, tokens: list[int], session: str) -> pb.Plan | None:
+    async def _place(self, tokens: list[int], session: str) -> tuple[pb.Plan | None, list[bytes]]:
         layout = self.directory.layout()
         if self.placements is None or layout is None:
             self.metrics.fallbacks.labels("broker_unavailable").inc()
-            return None
+            return None, []
         fingerprint, block_size = layout
-        request = pb.PlaceRequest(session_id=session, block_keys=block_keys(tokens, block_size, ExtraKeys(fingerprint)),
-                                  num_tokens=len(tokens), layout_fingerprint=fingerprint, block_size=block_size)
+        keys = block_keys(tokens, block_size, ExtraKeys(fingerprint))
+        request = pb.PlaceRequest(session_id=session, block_keys=keys, num_tokens=len(tokens),
+                                  layout_fingerprint=fingerprint, block_size=block_size)
+        plan = await self._place_once(request)
+        # The previous answer's lease may be a few ms from published (router/recent.py): place again until the
+        # match covers the answered prompt this one extends, or the window since that answer has passed.
+        due, deadline = self.recent.expected(keys, time.monotonic())
+        due = min(due, max(0, (len(tokens) - 1) // block_size))
+        if plan is not None and plan.matched_blocks < due:
+            waited = time.monotonic()
+            while plan is not None and plan.matched_blocks < due and time.monotonic() < deadline:
+                await asyncio.sleep(PUBLICATION_POLL_S)
+                plan = await self._place_once(request)
+            outcome = "published" if plan is not None and plan.matched_blocks >= due else "timed_out"
+            self.metrics.publication_waits.labels(outcome).inc()
+            trace.get_current_span().set_attribute("kvloop.publication_wait_ms",
+                                                   round((time.monotonic() - waited) * 1e3, 1))
+            log.info("router.publication_wait", outcome=outcome, due_blocks=due,
+                     matched_blocks=plan.matched_blocks if plan else None)
+        return plan, keys
+
+    async def _place_once(self, request: pb.PlaceRequest) -> pb.Plan | None:
         try:
-            plan: pb.Plan = await self.placements.place(request, timeout_s=self.config.broker_timeout_s)
+            plan: pb.Plan = await self.placements.place(request,  # type: ignore[union-attr]
+                                                        timeout_s=self.config.broker_timeout_s)
         except Exception as exc:
             self.metrics.broker_errors.labels("Place").inc()
             self.metrics.fallbacks.labels("broker_unavailable").inc()
@@ -356,6 +383,8 @@ class TurnRunner:
         span.set_attribute("gen_ai.usage.output_tokens", output_tokens)
         if error:
             span.set_status(trace.Status(trace.StatusCode.ERROR, error))
+        else:
+            self.recent.answered(prepared.prompt_keys, time.monotonic())
         span.end()
         m = self.metrics
         m.ttft.labels(prepared.decision).observe(ttft_s)

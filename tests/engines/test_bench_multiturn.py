@@ -63,9 +63,8 @@ def test_small_multiturn_run_writes_the_promised_json(tiny_model: Path, tmp_path
         [sys.executable, "-m", "kvloop.cli", "bench", "multiturn", "--model", str(tiny_model), "--conversations", "2",
          "--turns-min", "3", "--turns-max", "3", "--system-tokens", "200", "--own-prefix-tokens", "300",
          "--new-min", "60", "--new-max", "90", "--output-tokens", "8", "--timeout-s", "120",
-         # A client think time: with none, a turn can arrive before the decode's sidecar has published the
-         # previous turn's lease (a few ms after the answer) and recompute (seen once in a fresh-clone CI run).
-         "--think-time-s", "0.3",
+         # No think time: each turn follows the previous answer at once, and the router waits for that answer's
+         # lease to be published (router/recent.py); without that wait a turn could recompute (seen once in CI).
          "--configs", "one_way,kvloop,ideal", "--no-pressure", "--work-dir", str(tmp_path / "w"), "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=1500, stdin=subprocess.DEVNULL, env=dict(os.environ))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

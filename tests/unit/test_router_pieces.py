@@ -106,3 +106,34 @@ def test_router_config_names_the_bad_field() -> None:
     with pytest.raises(ConfigError, match=r"^broker_timeout_s"):
         RouterConfig.load({}, env={"KVLOOP_ROUTER_BROKER": "127.0.0.1:1", "KVLOOP_ROUTER_BROKER_TIMEOUT_S": "0"})
     assert RouterConfig.load({}, env={"KVLOOP_ROUTER_BROKER": "127.0.0.1:1"}).listen == "127.0.0.1:8080"
+
+
+def test_recent_turns_expect_the_longest_answered_prompt_this_one_extends() -> None:
+    from router.recent import RecentTurns
+
+    keys = [bytes([i]) * 32 for i in range(10)]
+    recent = RecentTurns(window_s=0.5)
+    assert recent.expected(keys, now=0.0) == (0, 0.0)
+    recent.answered(keys[:3], now=1.0)
+    recent.answered(keys[:6], now=1.2)
+    assert recent.expected(keys, now=1.3) == (6, 1.7)  # the longer answered prompt wins
+    assert recent.expected(keys[:5], now=1.3) == (3, 1.5)  # does not reach the second prompt's last block
+    edited = keys[:2] + [b"x" * 32] * 5  # diverges before either answered prompt ends: nothing is due
+    assert recent.expected(edited, now=1.3) == (0, 1.3)
+    assert recent.expected(keys, now=1.65) == (6, 1.7)
+    assert recent.expected(keys, now=1.8) == (0, 1.8) and len(recent) == 0  # both windows have passed
+
+
+def test_recent_turns_key_position_must_match_and_capacity_holds() -> None:
+    from router.recent import RecentTurns
+
+    keys = [bytes([i]) * 32 for i in range(4)]
+    recent = RecentTurns(window_s=1.0, capacity=2)
+    recent.answered(keys[:2], now=0.0)
+    # The same key at another position is another prompt (chained keys make this practically impossible, but the
+    # block count is checked all the same).
+    assert recent.expected([keys[1]], now=0.1) == (0, 0.1)
+    recent.answered(keys[:3], now=0.1)
+    recent.answered(keys[:4], now=0.2)
+    assert len(recent) == 2 and recent.expected(keys[:2], now=0.3) == (0, 0.3)  # the oldest was dropped
+    assert RecentTurns(window_s=0).expected(keys, now=0.0) == (0, 0.0)
