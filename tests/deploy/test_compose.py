@@ -1,0 +1,281 @@
+"""deploy/docker-compose.yaml (and the GPU override): valid against the Compose specification's JSON schema, and
+every kvloop container's command, variables and ports accepted by the real CLI and configs.
+
+The schema is the one check-jsonschema vendors (``check_jsonschema/builtin_schemas/vendor/compose-spec.json``, with
+its sha256 beside it), so the check needs no network: only the dev extra from PyPI."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib.resources
+import json
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jsonschema  # type: ignore[import-untyped]
+import pytest
+import yaml
+
+from broker.config import BrokerConfig
+from engines.config import EngineConfig
+from tests.deploy.support import (
+    DEPLOY,
+    ROOT,
+    Checked,
+    DeployError,
+    check_engine_sidecar_pair,
+    check_kvloop,
+    final_stage,
+    listening_ports,
+    run_fingerprint,
+    stand_ins,
+)
+
+BASE = DEPLOY / "docker-compose.yaml"
+GPU = DEPLOY / "docker-compose.gpu.yaml"
+# What `docker compose` would take from the shell for ${...} in the files.
+SHELL_ENV = {"MODEL_DIR": "/srv/models/llama"}
+
+
+def compose_schema() -> dict[str, Any]:
+    vendor = importlib.resources.files("check_jsonschema") / "builtin_schemas" / "vendor"
+    text = (vendor / "compose-spec.json").read_bytes()
+    expected = (vendor / "sha256" / "compose-spec.sha256").read_text().strip()
+    assert hashlib.sha256(text).hexdigest() == expected, "vendored compose schema does not match its sha256"
+    schema: dict[str, Any] = json.loads(text)
+    assert "compose" in schema.get("$id", "") + schema.get("title", "").lower() + json.dumps(schema.get("properties"))
+    return schema
+
+
+def interpolate(value: Any, env: Mapping[str, str]) -> Any:
+    """Compose's ${VAR}, ${VAR:-default} and ${VAR:?error} on every string."""
+    if isinstance(value, dict):
+        return {k: interpolate(v, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v, env) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def one(m: re.Match[str]) -> str:
+        name, op, arg = m.group(1), m.group(2), m.group(3)
+        if name in env and env[name] != "":
+            return env[name]
+        if op == ":?":
+            raise DeployError(f"${{{name}}} is required: {arg}")
+        return arg if op == ":-" else ""
+
+    return re.sub(r"\$\{(\w+)(?:(:-|:\?)([^}]*))?\}", one, value)
+
+
+def load(path: Path) -> dict[str, Any]:
+    data = yaml.safe_load(path.read_text())
+    assert isinstance(data, dict)
+    return data
+
+
+def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """Compose's merge of an override file, for the keys these files use: mappings merge, command, entrypoint and
+    healthcheck.test replace, volumes merge by target path."""
+    out = copy.deepcopy(base)
+    for name, svc in override.get("services", {}).items():
+        target = out.setdefault("services", {}).setdefault(name, {})
+        for key, value in svc.items():
+            if key == "volumes":
+                by_target = {str(v).split(":")[1]: v for v in target.get("volumes", [])}
+                by_target.update({str(v).split(":")[1]: v for v in value})
+                target["volumes"] = list(by_target.values())
+            elif isinstance(value, dict) and isinstance(target.get(key), dict):
+                target[key] = {**target[key], **value}
+            else:
+                target[key] = copy.deepcopy(value)
+    return out
+
+
+def environment(svc: Mapping[str, Any]) -> dict[str, Any]:
+    env = svc.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return dict(env)
+
+
+def kvloop_argv(name: str, svc: Mapping[str, Any]) -> list[str] | None:
+    """entrypoint + command as the container runs them (the image's own from its Dockerfile stage when the service
+    does not set them); None for a service not built from deploy/docker."""
+    build = svc.get("build")
+    if not isinstance(build, dict) or not str(build.get("dockerfile", "")).startswith("deploy/docker/"):
+        return None
+    stage = final_stage(ROOT / build["dockerfile"], build.get("target"))
+    entrypoint = svc.get("entrypoint", stage.exec_form("ENTRYPOINT"))
+    command = svc.get("command", stage.exec_form("CMD") if "entrypoint" not in svc else None)
+    return [str(a) for a in [*(entrypoint or []), *(command or [])]]
+
+
+def check_compose(doc: dict[str, Any], tmp: Path) -> dict[str, Checked]:
+    paths = stand_ins(tmp)
+    services = doc["services"]
+    argvs: dict[str, list[str]] = {}
+    for name, svc in services.items():
+        argv = kvloop_argv(name, svc)
+        if argv is None:
+            assert not any(k.startswith("KVLOOP_") for k in environment(svc)), f"{name}: KVLOOP_ variables on a " \
+                                                                               "non-kvloop image"
+        else:
+            argvs[name] = argv
+    # The fingerprint job first: the sidecars' --config is the file it writes.
+    jobs = [n for n, argv in argvs.items() if argv[1:3] == ["model", "fingerprint"]]
+    assert len(jobs) == 1, f"one fingerprint job (got {jobs})"
+    checked = {jobs[0]: check_kvloop(argvs[jobs[0]], environment(services[jobs[0]]), f"compose service {jobs[0]}")}
+    run_fingerprint(checked[jobs[0]], paths)
+    for name, argv in argvs.items():
+        if name not in checked:
+            checked[name] = check_kvloop(argv, environment(services[name]), f"compose service {name}", paths)
+    return checked
+
+
+def check_topology(doc: dict[str, Any], checked: dict[str, Checked]) -> None:
+    services = doc["services"]
+    by_command: dict[str, list[str]] = {}
+    for name, c in checked.items():
+        by_command.setdefault(c.command, []).append(name)
+    brokers = by_command.get("broker serve", [])
+    assert len(brokers) == 2, brokers
+    for name in brokers:
+        config = checked[name].config
+        assert isinstance(config, BrokerConfig) and config.store == "etcd"
+        host, port = config.etcd_endpoint.rsplit(":", 1)
+        assert host in services, f"{name}: etcd endpoint {config.etcd_endpoint} is no service"
+    replicas = {c.replica for c in (checked[n].config for n in brokers) if isinstance(c, BrokerConfig)}
+    assert len(replicas) == 2, "two distinct replica ids"
+    engines = {n: c for n, c in checked.items() if c.command == "engine"}
+    roles = sorted(c.config.role for c in engines.values() if isinstance(c.config, EngineConfig))
+    assert roles == ["decode", "prefill", "prefill"], roles
+    sidecars = {n: c for n, c in checked.items() if c.command == "sidecar"}
+    assert len(sidecars) == len(engines)
+    for engine_name, engine in engines.items():
+        pair = [s for s in sidecars.values() if getattr(s.config, "engine_id", None) ==
+                getattr(engine.config, "engine_id", "")]
+        assert len(pair) == 1, f"{engine_name}: exactly one sidecar"
+        sidecar_name = next(n for n, s in sidecars.items() if s is pair[0])
+        check_engine_sidecar_pair(engine, pair[0], f"{engine_name} + {sidecar_name}", engine_host=engine_name)
+        socket_dir = str(Path(str(getattr(pair[0].config, "socket", ""))).parent.parent)
+        for svc_name in (engine_name, sidecar_name):
+            mounts = [str(v).split(":")[1] for v in services[svc_name].get("volumes", [])]
+            assert socket_dir in mounts, f"{svc_name}: the socket's volume {socket_dir} is not mounted"
+        ipv4 = services[engine_name]["networks"]["kvloop"]["ipv4_address"]
+        assert isinstance(engine.config, EngineConfig) and engine.config.resolved_nixl_host() == ipv4, \
+            f"{engine_name}: nixl_host must be the engine's own static address {ipv4}"
+    # Addresses a kvloop service is told to reach: services of this file, on ports they listen on.
+    listen = {n: listening_ports(c) for n, c in checked.items()}
+    for name, c in checked.items():
+        cfg = c.config
+        targets: list[str] = []
+        if c.command in ("router", "sidecar"):
+            targets += [a.strip() for a in str(getattr(cfg, "broker", "")).split(",") if a.strip()]
+        if c.command == "sidecar":
+            targets.append(str(getattr(cfg, "engine_url", "")).split("://", 1)[1].split("/")[0])
+        for t in targets:
+            host, port = t.rsplit(":", 1)
+            assert host in listen, f"{name}: {t} names no kvloop service"
+            assert int(port) in listen[host], f"{name}: {t}: {host} listens on {sorted(listen[host])}"
+    # Published and health-checked ports are ones the service listens on.
+    for name in checked:
+        svc = services[name]
+        for mapping in svc.get("ports", []):
+            container_port = int(str(mapping).rsplit(":", 1)[1].split("/")[0])
+            assert container_port in listen[name], f"{name}: publishes {container_port}, listens on {listen[name]}"
+        test = (svc.get("healthcheck") or {}).get("test") or []
+        for word in test:
+            m = re.match(r"^(?:grpc|https?)://[^:/]+:(\d+)", str(word))
+            if m:
+                assert int(m.group(1)) in listen[name], f"{name}: health check on {word}, listens on {listen[name]}"
+    # Prometheus scrapes every kvloop service and every engine, on ports they listen on.
+    prom = yaml.safe_load((DEPLOY / "observability" / "prometheus.yml").read_text())
+    scraped = {t for job in prom["scrape_configs"] for sc in job.get("static_configs", []) for t in sc["targets"]}
+    for t in scraped:
+        host, port = t.rsplit(":", 1)
+        if host in listen:
+            assert int(port) in listen[host], f"prometheus: {t}: {host} listens on {sorted(listen[host])}"
+        else:
+            assert host in services, f"prometheus: {t} is no service"
+    for name, c in checked.items():
+        if c.command != "model fingerprint":
+            assert any(t.split(":")[0] == name for t in scraped), f"prometheus does not scrape {name}"
+
+
+@pytest.fixture(scope="module")
+def schema() -> dict[str, Any]:
+    return compose_schema()
+
+
+@pytest.mark.parametrize("path", [BASE, GPU], ids=["base", "gpu-override"])
+def test_compose_file_matches_the_compose_schema(path: Path, schema: dict[str, Any]) -> None:
+    doc = interpolate(load(path), SHELL_ENV)
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    errors = sorted(validator.iter_errors(doc), key=lambda e: list(e.absolute_path))
+    assert not errors, "\n".join(f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in errors)
+
+
+def test_merged_gpu_compose_matches_the_schema(schema: dict[str, Any]) -> None:
+    doc = merge(interpolate(load(BASE), SHELL_ENV), interpolate(load(GPU), SHELL_ENV))
+    errors = list(jsonschema.validators.validator_for(schema)(schema).iter_errors(doc))
+    assert not errors, [e.message for e in errors]
+
+
+def test_compose_kvloop_services_through_the_real_cli(tmp_path: Path) -> None:
+    doc = interpolate(load(BASE), SHELL_ENV)
+    checked = check_compose(doc, tmp_path)
+    assert {c.command for c in checked.values()} == {"broker serve", "router", "engine", "sidecar",
+                                                      "model fingerprint"}
+    check_topology(doc, checked)
+    for name in ("etcd", "otel-collector", "jaeger", "prometheus", "grafana"):
+        assert name in doc["services"], name
+
+
+def test_gpu_override_through_the_real_cli(tmp_path: Path) -> None:
+    doc = merge(interpolate(load(BASE), SHELL_ENV), interpolate(load(GPU), SHELL_ENV))
+    checked = check_compose(doc, tmp_path)
+    check_topology(doc, checked)
+    for name, c in checked.items():
+        if c.command == "engine":
+            svc = doc["services"][name]
+            assert svc["build"]["dockerfile"] == "deploy/docker/Dockerfile.gpu"
+            devices = svc["deploy"]["resources"]["reservations"]["devices"]
+            assert devices and devices[0]["capabilities"] == ["gpu"]
+            assert isinstance(c.config, EngineConfig) and c.config.block_size == 16
+    fingerprint = next(c for c in checked.values() if c.command == "model fingerprint")
+    assert fingerprint.argv[fingerprint.argv.index("--block-size") + 1] == "16"
+
+
+def test_gpu_override_needs_a_model_dir() -> None:
+    with pytest.raises(DeployError, match="MODEL_DIR"):
+        interpolate(load(GPU), {})
+
+
+def test_the_checks_catch_mistakes(tmp_path: Path) -> None:
+    """The checks above fail on what they are meant to catch."""
+    doc = interpolate(load(BASE), SHELL_ENV)
+    bad = copy.deepcopy(doc)
+    bad["services"]["router"]["command"] = [*bad["services"]["router"]["command"], "--no-such-flag"]
+    with pytest.raises(DeployError, match="refused by the kvloop CLI"):
+        check_compose(bad, tmp_path / "a")
+    bad = copy.deepcopy(doc)
+    bad["services"]["router"]["environment"]["KVLOOP_ROUTER_NO_SUCH_FIELD"] = "1"
+    with pytest.raises(DeployError, match="not a variable of RouterConfig"):
+        check_compose(bad, tmp_path / "b")
+    bad = copy.deepcopy(doc)
+    bad["services"]["broker-0"]["environment"]["KVLOOP_BROKER_ENGINE_TTL_S"] = "-1"
+    with pytest.raises(DeployError, match="engine_ttl_s"):
+        check_compose(bad, tmp_path / "c")
+    bad = copy.deepcopy(doc)
+    bad["services"]["broker-0"]["environment"]["KVLOOP_ROUTER_BROKER"] = "x:1"
+    with pytest.raises(DeployError, match="not a variable of BrokerConfig"):
+        check_compose(bad, tmp_path / "d")
+    bad = copy.deepcopy(doc)
+    bad["services"]["sidecar-decode-0"]["command"] = [
+        "/run/kvloop/prefill-0/sidecar.sock" if a == "/run/kvloop/decode-0/sidecar.sock" else a
+        for a in bad["services"]["sidecar-decode-0"]["command"]]
+    with pytest.raises(DeployError, match="kvloop_sidecar_socket"):
+        check_topology(bad, check_compose(bad, tmp_path / "e"))
