@@ -50,11 +50,11 @@ def format_status(reply: Any) -> str:
     return "\n".join(lines)
 
 
-async def _inspect(addresses: str, timeout_s: float) -> Any:
+async def _inspect(addresses: str, timeout_s: float, tls: Any = None) -> Any:
     from kvloop.client import BrokerClient
     from kvloop.v1 import broker_pb2 as pb
 
-    async with BrokerClient(addresses, timeout_s=timeout_s) as client:
+    async with BrokerClient(addresses, timeout_s=timeout_s, tls=tls) as client:
         return await client.call("Inspect", pb.InspectRequest())
 
 
@@ -62,8 +62,12 @@ def _broker_status(args: argparse.Namespace) -> int:
     import grpc
     from google.protobuf import json_format
 
+    from kvloop.tls import TlsFiles, check_files
+
+    check_files(args, "tls_", server=False)
+    tls = TlsFiles.of(args, "tls_")
     try:
-        reply = asyncio.run(_inspect(args.broker, args.timeout))
+        reply = asyncio.run(_inspect(args.broker, args.timeout, tls))
     except grpc.aio.AioRpcError as exc:
         print(f"kvloop: broker {args.broker}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
@@ -156,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--broker", default="127.0.0.1:50051", help="broker address(es), comma-separated")
     status.add_argument("--json", action="store_true", help="print the Inspect reply as JSON")
     status.add_argument("--timeout", type=float, default=5.0, help="RPC deadline in seconds")
+    status.add_argument("--tls-ca", default=None, help="PEM CA of the broker's certificate: TLS to the broker")
+    status.add_argument("--tls-cert", default=None, help="PEM certificate to present (a broker with mutual TLS)")
+    status.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    status.add_argument("--tls-server-name", default="", help="name the broker's certificate must carry")
     status.set_defaults(func=_broker_status)
 
     from kvloop.cluster import add_arguments as add_up_arguments

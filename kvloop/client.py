@@ -11,19 +11,23 @@ from typing import Any
 
 import grpc
 
+from kvloop.tls import TlsFiles, insecure_or_secure_channel
 from kvloop.v1 import broker_pb2_grpc
 
 
 class BrokerClient:
+    """``tls``: the client's :class:`kvloop.tls.TlsFiles` (CA of the broker, the client's own certificate and
+    key); None or nothing set = plaintext channels."""
+
     def __init__(self, addresses: Sequence[str] | str, *, timeout_s: float = 5.0,
-                 options: Sequence[tuple[str, Any]] = ()) -> None:
+                 options: Sequence[tuple[str, Any]] = (), tls: TlsFiles | None = None) -> None:
         if isinstance(addresses, str):
             addresses = [a.strip() for a in addresses.split(",") if a.strip()]
         if not addresses:
             raise ValueError("broker address list is empty")
         self.addresses = list(addresses)
         self.timeout_s = timeout_s
-        self._channels = [grpc.aio.insecure_channel(a, options=list(options)) for a in self.addresses]
+        self._channels = [insecure_or_secure_channel(a, tls, options) for a in self.addresses]
         self._stubs = [broker_pb2_grpc.KVBrokerStub(c) for c in self._channels]
         self._current = 0
 
@@ -59,14 +63,15 @@ class BrokerClient:
         await self.close()
 
 
-async def wait_serving(address: str, service: str = "", *, timeout_s: float = 30.0) -> None:
+async def wait_serving(address: str, service: str = "", *, timeout_s: float = 30.0,
+                       tls: TlsFiles | None = None) -> None:
     """Poll grpc.health.v1 until ``service`` on ``address`` is SERVING; raise TimeoutError otherwise."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     last = "no answer"
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with insecure_or_secure_channel(address, tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while loop.time() < deadline:
             try:

@@ -24,9 +24,10 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
-def setting(default: Any, help: str, *, choices: Sequence[str] | None = None) -> Any:
-    """Declare a config field: its default, its help text and (for strings) the allowed values."""
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+def setting(default: Any, help: str, *, choices: Sequence[str] | None = None, secret: bool = False) -> Any:
+    """Declare a config field: its default, its help text and (for strings) the allowed values. A ``secret``
+    (an API key) is left out of the config's ``repr``, so logging a config never prints it."""
+    return dataclasses.field(default=default, repr=not secret, metadata={"help": help, "choices": choices})
 
 
 def _field_type(cls: type, f: dataclasses.Field[Any]) -> type:

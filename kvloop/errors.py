@@ -13,6 +13,7 @@ class Status(enum.Enum):
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
     ALREADY_EXISTS = "ALREADY_EXISTS"
     UNAVAILABLE = "UNAVAILABLE"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
 
 
 class KvloopError(Exception):
@@ -48,6 +49,12 @@ class AlreadyExists(KvloopError):
 
 class Unavailable(KvloopError):
     status = Status.UNAVAILABLE
+
+
+class PermissionDenied(KvloopError):
+    """An authenticated caller asked for something its identity may not do (the broker with mutual TLS)."""
+
+    status = Status.PERMISSION_DENIED
 
 
 class ConfigError(InvalidArgument):
