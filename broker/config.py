@@ -11,6 +11,7 @@ from pathlib import Path
 from broker.core import POLICIES, Limits, PlacementPolicy
 from kvloop.config import ServiceConfig, parse_host_port, setting
 from kvloop.telemetry import LOG_FORMATS, LOG_LEVELS
+from kvloop.tls import check_files
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,19 @@ class BrokerConfig(ServiceConfig):
     sticky_load_gap: float = setting(4.0, "keep a session's decode engine unless it has this many more requests")
     tick_interval_s: float = setting(0.25, "how often leases, pins and engines are checked for expiry")
     shutdown_grace_s: float = setting(5.0, "on SIGTERM, how long in-flight RPCs may finish")
+    tls_cert: Path | None = setting(None, "PEM certificate (chain) of the gRPC port; with tls_key: TLS on")
+    tls_key: Path | None = setting(None, "PEM private key of tls_cert (unencrypted)")
+    tls_ca: Path | None = setting(None, "PEM CA bundle: every client must present a certificate it signed "
+                                        "(mutual TLS), and engine calls are checked against the caller's identity")
+    engine_identity: str = setting("{engine_id}", "mTLS: the certificate name (CN or SAN) that may act for an "
+                                                  "engine, {engine_id} replaced by the engine's id")
+    allowed_engines: str = setting("", "mTLS: comma-separated engine ids that may register and act "
+                                       "('' = any id whose certificate names it)")
+    client_identities: str = setting("", "mTLS: comma-separated certificate names allowed Place, PlaceStream, "
+                                         "PinBlocks, CompleteTransfer and Inspect ('' = any certificate signed "
+                                         "by tls_ca)")
+    admin_identities: str = setting("", "mTLS: comma-separated certificate names allowed every call for any "
+                                        "engine (operators, benchmarks)")
     log_format: str = setting("auto", "log format: json, console, or auto (console on a TTY)", choices=LOG_FORMATS)
     log_level: str = setting("info", "log level", choices=LOG_LEVELS)
     console_spans: bool = setting(False, "print OpenTelemetry spans to stderr (OTLP uses OTEL_* variables)")
@@ -80,6 +94,13 @@ class BrokerConfig(ServiceConfig):
         self._require(self.max_message_bytes >= 64 * 1024, "max_message_bytes", "must be at least 65536")
         for name in ("threshold_tokens", "transfer_overhead_s", "sticky_load_gap", "shutdown_grace_s"):
             self._require(getattr(self, name) >= 0, name, "must not be negative")
+        check_files(self, "tls_", server=True)
+        self._require("{engine_id}" in self.engine_identity, "engine_identity", "must contain {engine_id}")
+
+    @property
+    def mutual_tls(self) -> bool:
+        """TLS with client certificates required: callers are authorized by identity (broker.access)."""
+        return self.tls_cert is not None and self.tls_key is not None and self.tls_ca is not None
 
     @property
     def advertised(self) -> str:

@@ -1,6 +1,10 @@
 """Start and stop a broker replica: gRPC server with health and reflection, metrics endpoint, the
 runtime (election, expiry ticks) and graceful shutdown on SIGTERM/SIGINT.
 
+TLS: with ``tls_cert`` and ``tls_key`` the gRPC port speaks TLS; with ``tls_ca`` too, clients must present
+a certificate signed by it and are authorized by its names (:mod:`broker.access`). Health and reflection
+share the port, so a probe then needs a client certificate as well.
+
 Health: the overall service ``""`` is SERVING while the process is up (liveness); ``kvloop.v1.KVBroker``
 is SERVING only while this replica is the leader (readiness: route traffic here).
 """
@@ -18,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
+from broker.access import Access
 from broker.config import BrokerConfig
 from broker.metrics import BrokerMetrics
 from broker.runtime import BrokerRuntime
@@ -25,6 +30,7 @@ from broker.service import BrokerService
 from broker.store import Election, MemoryStore, SoloElection, Store
 from kvloop.config import parse_host_port
 from kvloop.serving import wait_for_stop, write_port_file
+from kvloop.tls import TlsFiles
 from kvloop.v1 import broker_pb2, broker_pb2_grpc
 
 log = structlog.get_logger("kvloop.broker")
@@ -76,7 +82,10 @@ async def start_broker(config: BrokerConfig, metrics: BrokerMetrics | None = Non
     ]
     server = grpc.aio.server(options=options)
     host, port = parse_host_port(config.listen, "listen")
-    bound = server.add_insecure_port(f"{host}:{port}" if ":" not in host else f"[{host}]:{port}")
+    target = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
+    tls = TlsFiles.of(config, "tls_")
+    bound = server.add_secure_port(target, tls.server_credentials()) if tls.enabled else \
+        server.add_insecure_port(target)
     if bound == 0:
         raise OSError(f"listen: cannot bind {config.listen}")
     if not config.advertise and port == 0:
@@ -84,7 +93,7 @@ async def start_broker(config: BrokerConfig, metrics: BrokerMetrics | None = Non
         config = replace(config, advertise=f"{config.listen.rpartition(':')[0]}:{bound}")
     store, election = make_store(config)
     runtime = BrokerRuntime(config, store, election, metrics)
-    broker_pb2_grpc.add_KVBrokerServicer_to_server(BrokerService(runtime), server)
+    broker_pb2_grpc.add_KVBrokerServicer_to_server(BrokerService(runtime, Access(config)), server)
     health_servicer = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
@@ -108,7 +117,8 @@ async def start_broker(config: BrokerConfig, metrics: BrokerMetrics | None = Non
     watcher = asyncio.create_task(follow_leadership())
     await runtime.start()
     log.info("broker.listening", address=f"{host}:{bound}", metrics_port=metrics_port, store=store.kind,
-             replica=config.replica, policy=config.eviction_policy)
+             replica=config.replica, policy=config.eviction_policy,
+             tls="mutual" if config.mutual_tls else "server" if tls.enabled else "off")
     if config.port_file is not None:
         write_port_file(config.port_file, bound)
     return RunningBroker(config, server, runtime, health_servicer, bound, metrics_port, metrics_server, watcher)

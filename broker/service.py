@@ -1,7 +1,8 @@
 """The ``kvloop.v1.KVBroker`` gRPC service: validate, call the runtime, map errors to status codes.
 
 Every RPC gets one OpenTelemetry span (parented by an incoming ``traceparent``), a latency sample and,
-when refused, an error count by status code. Placement spans carry the whole decision.
+when refused, an error count by status code. Placement spans carry the whole decision. With mutual TLS every
+call is first authorized by the caller's certificate (:mod:`broker.access`; ``PERMISSION_DENIED`` otherwise).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from broker import convert
+from broker.access import Access
 from broker.core import BrokerState, EvictionCommand, PlaceInput, Plan
 from broker.runtime import BrokerRuntime
 from kvloop.errors import KvloopError
@@ -39,6 +41,7 @@ _CODES = {
     "RESOURCE_EXHAUSTED": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "ALREADY_EXISTS": grpc.StatusCode.ALREADY_EXISTS,
     "UNAVAILABLE": grpc.StatusCode.UNAVAILABLE,
+    "PERMISSION_DENIED": grpc.StatusCode.PERMISSION_DENIED,
 }
 
 
@@ -55,6 +58,7 @@ def rpc(method: str) -> Callable[[Handler[Req, Resp]], Handler[Req, Resp]]:
             with tracer.start_as_current_span(f"kvloop.v1.KVBroker/{method}", kind=SpanKind.SERVER,
                                               context=_remote_context(context)) as span:
                 try:
+                    self.authorize(method, request, context)
                     return await fn(self, request, context)
                 except KvloopError as exc:
                     code = _CODES[exc.status.value]
@@ -95,8 +99,27 @@ def _plan_attributes(plan: Plan) -> dict[str, Any]:
 
 
 class BrokerService(broker_pb2_grpc.KVBrokerServicer):
-    def __init__(self, runtime: BrokerRuntime) -> None:
+    def __init__(self, runtime: BrokerRuntime, access: Access | None = None) -> None:
         self.runtime = runtime
+        self.access = access
+
+    def _lease_owner(self, lease_id: str) -> str | None:
+        lease = self.runtime.read(lambda s, now: s.leases.get(lease_id))
+        return lease.engine_id if lease is not None else None
+
+    def authorize(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> None:
+        """Raise ``PermissionDenied`` when mutual TLS is on and the caller may not make this call."""
+        if self.access is not None and self.access.enabled:
+            self.access.check(method, request, context, self._lease_owner)
+
+    async def _authorize_stream(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> None:
+        try:
+            self.authorize(method, request, context)
+        except KvloopError as exc:
+            code = _CODES[exc.status.value]
+            self.runtime.metrics.rpc_errors.labels(method=method, code=code.name).inc()
+            log.info("rpc.refused", method=method, code=code.name, error=exc.message)
+            await context.abort(code, exc.message)
 
     @rpc("RegisterEngine")
     async def RegisterEngine(self, request: pb.RegisterEngineRequest, context: Any) -> pb.RegisterEngineResponse:
@@ -177,6 +200,7 @@ class BrokerService(broker_pb2_grpc.KVBrokerServicer):
     async def PlaceStream(self, batches: AsyncIterator[pb.PlaceBatch], context: grpc.aio.ServicerContext
                           ) -> AsyncIterator[pb.PlanBatch]:
         """One PlanBatch per PlaceBatch, plans in request order; a refused request's plan carries ``error``."""
+        await self._authorize_stream("PlaceStream", None, context)
         async for batch in batches:
             reply = pb.PlanBatch()
             for request in batch.requests:
@@ -210,6 +234,7 @@ class BrokerService(broker_pb2_grpc.KVBrokerServicer):
     async def WatchEvictions(self, request: pb.WatchEvictionsRequest, context: grpc.aio.ServicerContext
                              ) -> AsyncIterator[pb.EvictionCommand]:
         """Replay commands after ``after_seq`` (or a RESYNC), then stream new ones as they are issued."""
+        await self._authorize_stream("WatchEvictions", request, context)
         engine_id, cursor = request.engine_id, request.after_seq
         event = self.runtime.subscribe(engine_id)
         try:
