@@ -26,6 +26,7 @@ from typing import Any
 from kvloop.config import ServiceConfig, parse_host_port, setting
 from kvloop.errors import ConfigError
 from kvloop.telemetry import LOG_FORMATS, LOG_LEVELS
+from kvloop.tls import check_files
 
 ROLES = ("prefill", "decode", "both")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -129,6 +130,17 @@ class EngineConfig(ServiceConfig):
     lease_ttl_s: float = setting(0.0, "decode: TTL asked for each published lease (0 = the broker's default)")
     hold_s: float = setting(120.0, "decode: engine-side safety hold of retained blocks, renewed by the sidecar "
                                    "while their lease lives; above the broker's engine TTL")
+    broker_tls_ca: Path | None = setting(None, "sidecar: PEM CA that signed the broker's certificate (TLS to the "
+                                               "broker)")
+    broker_tls_cert: Path | None = setting(None, "sidecar: PEM certificate presented to the broker (its CN or a SAN "
+                                                 "names the engine id when the broker has mutual TLS)")
+    broker_tls_key: Path | None = setting(None, "sidecar: PEM private key of broker_tls_cert")
+    broker_tls_server_name: str = setting("", "sidecar: name the broker's certificate must carry, when not the "
+                                              "dialled host")
+    sidecar_tls_cert: Path | None = setting(None, "PEM certificate of the sidecar's gRPC port (TLS on, with its key)")
+    sidecar_tls_key: Path | None = setting(None, "PEM private key of sidecar_tls_cert")
+    sidecar_tls_ca: Path | None = setting(None, "PEM CA: clients of the sidecar's gRPC port must present a "
+                                                "certificate it signed")
     startup_timeout_s: float = setting(600.0, "give up when /health is not 200 after this long")
     stop_timeout_s: float = setting(30.0, "on stop, SIGTERM then wait this long before SIGKILL")
     log_format: str = setting("auto", "launcher log format: json, console, or auto", choices=LOG_FORMATS)
@@ -166,6 +178,20 @@ class EngineConfig(ServiceConfig):
         self._require(0 < self.retention_fraction <= 1, "retention_fraction", "must be in (0, 1]")
         self._require(self.lease_ttl_s >= 0, "lease_ttl_s", "must be >= 0")
         self._require(self.hold_s > 0, "hold_s", "must be positive")
+        check_files(self, "broker_tls_", server=False)
+        check_files(self, "sidecar_tls_", server=True)
+
+    def sidecar_tls_env(self) -> dict[str, str]:
+        """The TLS paths the sidecar gets, as ``KVLOOP_SIDECAR_*`` names without the prefix (absolute paths: the
+        sidecar runs in the work directory)."""
+        names = {"broker_tls_ca": "BROKER_TLS_CA", "broker_tls_cert": "BROKER_TLS_CERT",
+                 "broker_tls_key": "BROKER_TLS_KEY", "sidecar_tls_cert": "TLS_CERT", "sidecar_tls_key": "TLS_KEY",
+                 "sidecar_tls_ca": "TLS_CA"}
+        env = {env_name: str(Path(getattr(self, field)).absolute()) for field, env_name in names.items()
+               if getattr(self, field) is not None}
+        if self.broker_tls_server_name:
+            env["BROKER_TLS_SERVER_NAME"] = self.broker_tls_server_name
+        return env
 
     # Derived values, computed in one place for the launcher and for `kvloop up`.
 

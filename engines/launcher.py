@@ -150,7 +150,7 @@ def build_sidecar_env(config: EngineConfig, *, engine_id: str, port: int, nixl_p
         "ENGINE_URL": f"http://{host}:{port}", "NIXL_ADDRESS": f"{config.resolved_nixl_host()}:{nixl_port}",
         "LAYOUT_FINGERPRINT": fingerprint, "RETENTION_FRACTION": str(config.retention_fraction),
         "LEASE_TTL_S": str(config.lease_ttl_s), "HOLD_S": str(config.hold_s),
-        "LOG_FORMAT": "json", "LOG_LEVEL": config.log_level,
+        "LOG_FORMAT": "json", "LOG_LEVEL": config.log_level, **config.sidecar_tls_env(),
     }
     return {f"KVLOOP_SIDECAR_{k}": v for k, v in values.items()}
 

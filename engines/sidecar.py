@@ -19,6 +19,10 @@ It is the engine's only voice towards the broker (``kvloop.v1.KVBroker`` stubs):
   moving averages of what the connector measured.
 - **Service**: gRPC health (``""`` live; ``kvloop.v1.EngineLink`` SERVING once registered with a broker)
   and reflection on ``listen``, Prometheus metrics on ``metrics_listen``, SIGTERM: deregister, stop.
+- **Security** (optional): ``tls_*`` put TLS (with ``tls_ca``, mutual TLS) on the ``listen`` port;
+  ``broker_tls_*`` make the broker link TLS, presenting a certificate that names the engine (a broker with
+  mutual TLS lets a caller act only for the engine its certificate names). The connector's Unix socket is
+  private to the engine's pod and stays plaintext.
 
 Why a separate process rather than a thread in vLLM: the connector runs on the EngineCore's busy-loop
 thread, where any wait stalls every request; broker fail-over, retries and stream resumption belong
@@ -54,6 +58,7 @@ from kvloop.hashing import ExtraKeys, block_keys
 from kvloop.pd import BANDWIDTH_SAMPLE_MIN_BYTES
 from kvloop.serving import run_service, wait_for_stop, write_port_file
 from kvloop.telemetry import LOG_FORMATS, LOG_LEVELS
+from kvloop.tls import TlsFiles, check_files
 from kvloop.v1 import broker_pb2 as pb
 from kvloop.v1 import engine_link_pb2 as lpb
 from kvloop.v1 import engine_link_pb2_grpc
@@ -87,6 +92,15 @@ class SidecarConfig(ServiceConfig):
     port_file: Path | None = setting(None, "write the bound gRPC port here once serving (for launchers)")
     log_format: str = setting("auto", "log format: json, console, or auto", choices=LOG_FORMATS)
     log_level: str = setting("info", "log level", choices=LOG_LEVELS)
+    tls_cert: Path | None = setting(None, "PEM certificate (chain) of the gRPC port (listen); with tls_key: TLS on "
+                                          "(the connector's Unix socket stays plaintext, private to the pod)")
+    tls_key: Path | None = setting(None, "PEM private key of tls_cert (unencrypted)")
+    tls_ca: Path | None = setting(None, "PEM CA bundle: gRPC clients of listen must present a certificate it signed")
+    broker_tls_ca: Path | None = setting(None, "PEM CA that signed the broker's certificate: TLS to the broker")
+    broker_tls_cert: Path | None = setting(None, "PEM certificate presented to the broker; with its mTLS, its CN or "
+                                                 "a SAN must name engine_id (the broker's engine_identity)")
+    broker_tls_key: Path | None = setting(None, "PEM private key of broker_tls_cert")
+    broker_tls_server_name: str = setting("", "name the broker's certificate must carry, when not the dialled host")
 
     def validate(self) -> None:
         for name in ("engine_id", "broker", "engine_url", "layout_fingerprint"):
@@ -106,6 +120,8 @@ class SidecarConfig(ServiceConfig):
         self._require(self.lease_ttl_s >= 0, "lease_ttl_s", "must be >= 0")
         self._require(self.hold_s > 0, "hold_s", "must be positive")
         self._require(0 < self.pressure_kv_usage <= 1, "pressure_kv_usage", "must be in (0, 1]")
+        check_files(self, "tls_", server=True)
+        check_files(self, "broker_tls_", server=False)
 
 
 class SidecarMetrics:
@@ -149,7 +165,7 @@ class Sidecar(engine_link_pb2_grpc.EngineLinkServicer):
     def __init__(self, config: SidecarConfig, metrics: SidecarMetrics | None = None) -> None:
         self.config = config
         self.metrics = metrics or SidecarMetrics()
-        self.broker = BrokerClient(config.broker, timeout_s=5.0)
+        self.broker = BrokerClient(config.broker, timeout_s=5.0, tls=TlsFiles.of(config, "broker_tls_"))
         self.extra = ExtraKeys(config.layout_fingerprint)
         self.hello: lpb.ConnectorHello | None = None
         self.registered = asyncio.Event()
@@ -461,7 +477,10 @@ async def serve(config: SidecarConfig, stop: asyncio.Event | None = None) -> Non
     if server.add_insecure_port(f"unix://{config.socket}") == 0:
         raise OSError(f"socket: cannot bind {config.socket}")
     host, port = parse_host_port(config.listen, "listen")
-    bound = server.add_insecure_port(f"{host}:{port}" if ":" not in host else f"[{host}]:{port}")
+    target = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
+    tls = TlsFiles.of(config, "tls_")
+    bound = server.add_secure_port(target, tls.server_credentials()) if tls.enabled else \
+        server.add_insecure_port(target)
     if bound == 0:
         raise OSError(f"listen: cannot bind {config.listen}")
     if not config.advertise:
@@ -484,7 +503,9 @@ async def serve(config: SidecarConfig, stop: asyncio.Event | None = None) -> Non
 
     follower = asyncio.create_task(follow_registration())
     log.info("sidecar.listening", engine=config.engine_id, grpc=sidecar.grpc_address, socket=str(config.socket),
-             metrics_port=metrics_server.server_port if metrics_server else None)
+             metrics_port=metrics_server.server_port if metrics_server else None,
+             tls="mutual" if tls.mutual else "server" if tls.enabled else "off",
+             broker_tls=TlsFiles.of(config, "broker_tls_").enabled)
     if config.port_file is not None:
         write_port_file(config.port_file, bound)
     try:
