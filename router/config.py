@@ -4,9 +4,12 @@ and a YAML key (``broker``); see :mod:`kvloop.config`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvloop.config import ServiceConfig, parse_host_port, setting
+from kvloop.errors import ConfigError
 from kvloop.telemetry import LOG_FORMATS, LOG_LEVELS
+from kvloop.tls import check_files
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,20 @@ class RouterConfig(ServiceConfig):
     console_spans: bool = setting(False, "print OpenTelemetry spans to stderr (OTLP uses OTEL_* variables)")
     log_format: str = setting("auto", "log format: json, console, or auto", choices=LOG_FORMATS)
     log_level: str = setting("info", "log level", choices=LOG_LEVELS)
+    tls_cert: Path | None = setting(None, "PEM certificate (chain) of the HTTP port; with tls_key: HTTPS")
+    tls_key: Path | None = setting(None, "PEM private key of tls_cert (unencrypted)")
+    tls_ca: Path | None = setting(None, "PEM CA bundle: HTTPS clients must present a certificate it signed")
+    api_key: str = setting("", "API key clients send as 'Authorization: Bearer KEY' (prefer the env twin or "
+                               "api_key_file: a flag shows in ps); empty and no api_key_file = no key",
+                           secret=True)
+    api_key_file: Path | None = setting(None, "file of accepted API keys, one a line ('#' comments); with "
+                                              "api_key both are accepted (rotation)")
+    open_paths: str = setting("/health,/metrics", "comma-separated paths served without the API key "
+                                                  "(empty: every path needs it)")
+    broker_tls_ca: Path | None = setting(None, "PEM CA that signed the broker's certificate: TLS to the broker")
+    broker_tls_cert: Path | None = setting(None, "PEM certificate the router presents to a broker with mTLS")
+    broker_tls_key: Path | None = setting(None, "PEM private key of broker_tls_cert")
+    broker_tls_server_name: str = setting("", "name the broker's certificate must carry, when not the dialled host")
 
     def validate(self) -> None:
         parse_host_port(self.listen, "listen")
@@ -47,6 +64,30 @@ class RouterConfig(ServiceConfig):
         self._require(self.publication_wait_s >= 0, "publication_wait_s", "must be 0 or more")
         for name in ("request_timeout_s", "broker_timeout_s", "refresh_s"):
             self._require(getattr(self, name) > 0, name, "must be positive")
+        check_files(self, "tls_", server=True)
+        check_files(self, "broker_tls_", server=False)
+        if self.api_key_file is not None:
+            self.api_keys()
+        self._require(all(p.startswith("/") for p in self.open_path_set()), "open_paths",
+                      "must list absolute paths such as /health")
+
+    def api_keys(self) -> list[bytes]:
+        """Every accepted API key (``api_key`` and the lines of ``api_key_file``); empty = no key required."""
+        keys = [self.api_key.strip()] if self.api_key.strip() else []
+        if self.api_key_file is not None:
+            try:
+                lines = Path(self.api_key_file).read_text().splitlines()
+            except OSError as exc:
+                raise ConfigError(f"api_key_file: cannot read {self.api_key_file}: {exc.strerror}",
+                                  field="api_key_file") from None
+            found = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+            if not found:
+                raise ConfigError(f"api_key_file: {self.api_key_file} holds no key", field="api_key_file")
+            keys += found
+        return [key.encode() for key in keys]
+
+    def open_path_set(self) -> frozenset[str]:
+        return frozenset(p.strip() for p in self.open_paths.split(",") if p.strip())
 
     def urls(self, name: str) -> list[str]:
         return [u.strip().rstrip("/") for u in str(getattr(self, name)).split(",") if u.strip()]

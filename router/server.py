@@ -5,12 +5,17 @@ Bad input is refused before any engine is touched, in OpenAI's error shape: a bo
 an object, too large (413), a missing or mistyped field, an unknown model (404). An engine's own refusal
 (a prompt too long for it, say) is passed on with its status; only when no engine can serve does the
 client see a 503, and then also in OpenAI's shape.
+
+Security (all optional, off by default): HTTPS from ``tls_cert``/``tls_key`` (with ``tls_ca``, client
+certificates required), an API key as ``Authorization: Bearer KEY`` on every path but ``open_paths`` (a
+missing or wrong key gets OpenAI's 401 ``invalid_api_key``), TLS or mTLS to the broker (``broker_tls_*``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import time
 from dataclasses import dataclass
@@ -21,8 +26,10 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvloop.client import BrokerClient, PlacementStream
 from kvloop.config import parse_host_port
 from kvloop.serving import wait_for_stop, write_port_file
+from kvloop.tls import TlsFiles
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.turn import TurnError, TurnRunner
@@ -95,7 +102,8 @@ class RunningRouter:
     @property
     def url(self) -> str:
         host = parse_host_port(self.config.listen, "listen")[0]
-        return f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{self.port}"
+        scheme = "https" if self.config.tls_cert is not None else "http"
+        return f"{scheme}://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{self.port}"
 
     async def stop(self) -> None:
         log.info("router.stopping")
@@ -213,28 +221,82 @@ class RouterApp:
                                         "invalid_request_error"))
 
 
+def unauthorized(message: str) -> web.Response:
+    """OpenAI's answer to a missing or wrong key: 401, ``invalid_request_error``, code ``invalid_api_key``."""
+    body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}
+    return web.json_response(body, status=401, headers={"WWW-Authenticate": 'Bearer realm="kvloop"'})
+
+
+def api_key_middleware(keys: list[bytes], open_paths: frozenset[str], metrics: RouterMetrics) -> Any:
+    """Require ``Authorization: Bearer KEY`` (one of ``keys``) on every path but ``open_paths``. Each accepted key
+    is compared in constant time (``hmac.compare_digest``), all of them every time."""
+
+    @web.middleware
+    async def check(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path in open_paths:
+            return await handler(request)
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            metrics.requests.labels("auth", "401").inc()
+            return unauthorized("You didn't provide an API key. Send it as 'Authorization: Bearer KEY'.")
+        given = token.strip().encode()
+        matched = False
+        for key in keys:
+            matched |= hmac.compare_digest(given, key)
+        if not matched:
+            metrics.requests.labels("auth", "401").inc()
+            log.info("router.bad_api_key", path=request.path, peer=request.remote)
+            return unauthorized("Incorrect API key provided.")
+        return await handler(request)
+
+    return check
+
+
+async def _secure_broker_link(runner: TurnRunner, config: RouterConfig, tls: TlsFiles) -> None:
+    """``TurnRunner`` dials the broker in plaintext; with ``broker_tls_*`` set, its client and placement stream
+    are replaced with TLS ones here, before any call was made."""
+    if runner.broker is None:
+        return
+    await runner.broker.close()
+    runner.broker = BrokerClient(config.broker, timeout_s=config.broker_timeout_s, tls=tls)
+    runner.placements = PlacementStream(runner.broker.stub)
+
+
 async def start_router(config: RouterConfig) -> RunningRouter:
+    """Start the router. With ``tls_cert``/``tls_key`` it serves HTTPS (``tls_ca``: client certificates signed by
+    it are required); with an API key (``api_key``, ``api_key_file``) every path but ``open_paths`` needs
+    ``Authorization: Bearer KEY``; with ``broker_tls_*`` its broker link is TLS. Calls to the engines' HTTP stay
+    as their URLs say (plain ``http://`` from the broker; on Kubernetes the mesh's mTLS covers them)."""
     config.validate()
     metrics = RouterMetrics()
     http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256, keepalive_timeout=60))
     runner = TurnRunner(config, http, metrics)
+    broker_tls = TlsFiles.of(config, "broker_tls_")
+    if broker_tls.enabled:
+        await _secure_broker_link(runner, config, broker_tls)
     await runner.refresh()
     app = RouterApp(config, runner, metrics)
-    web_app = web.Application(client_max_size=config.max_request_bytes + 1024)
+    keys = config.api_keys()
+    middlewares = [api_key_middleware(keys, config.open_path_set(), metrics)] if keys else []
+    web_app = web.Application(client_max_size=config.max_request_bytes + 1024, middlewares=middlewares)
     web_app.add_routes([web.post("/v1/chat/completions", app.chat), web.post("/v1/completions", app.completions),
                         web.get("/v1/models", app.models), web.get("/health", app.health),
                         web.get("/metrics", app.metrics_endpoint), web.route("*", "/{tail:.*}", app.not_found)])
     web_runner = web.AppRunner(web_app, access_log=None, shutdown_timeout=10.0)
     await web_runner.setup()
     host, port = parse_host_port(config.listen, "listen")
-    site = web.TCPSite(web_runner, host, port)
+    server_tls = TlsFiles.of(config, "tls_")
+    ssl_context = server_tls.server_ssl_context() if server_tls.enabled else None
+    site = web.TCPSite(web_runner, host, port, ssl_context=ssl_context)
     await site.start()
     bound = web_runner.addresses[0][1]
     refresher = asyncio.create_task(runner.refresh_forever())
     if config.port_file:
         write_port_file(config.port_file, bound)
     log.info("router.listening", address=f"{host}:{bound}", broker=config.broker or None,
-             engines=len(runner.directory.engines))
+             engines=len(runner.directory.engines), api_key=bool(keys),
+             tls="mutual" if server_tls.mutual else "server" if server_tls.enabled else "off",
+             broker_tls=broker_tls.enabled)
     return RunningRouter(config, runner, web_runner, bound, refresher, http)
 
 
