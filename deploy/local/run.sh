@@ -9,7 +9,33 @@ cd "$(dirname "$0")/../.."
 PYTHON=${PYTHON:-python3}
 VENV=.venv
 
+# kustomize for the deployment tests (tests/deploy/test_k8s.py): kubectl's embedded one (kubectl kustomize) or a
+# kustomize on PATH when present; else built once from the Go module proxy with Debian's Go (bookworm-backports:
+# bookworm's own 1.19 is too old) into .kvloop/bin, which later runs reuse.
+KUSTOMIZE_VERSION=v5.5.0
+ensure_kustomize() {
+  if [ -x .kvloop/bin/kustomize ] || command -v kustomize >/dev/null 2>&1 \
+      || { command -v kubectl >/dev/null 2>&1 && kubectl kustomize --help >/dev/null 2>&1; }; then
+    return 0
+  fi
+  echo "== building kustomize $KUSTOMIZE_VERSION into .kvloop/bin (once)"
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  GO=/usr/lib/go-1.23/bin/go
+  if [ ! -x "$GO" ]; then
+    if ! grep -rqs bookworm-backports /etc/apt/sources.list /etc/apt/sources.list.d/; then
+      printf 'Types: deb\nURIs: http://deb.debian.org/debian\nSuites: bookworm-backports\nComponents: main\nSigned-By: %s\n' \
+        /usr/share/keyrings/debian-archive-keyring.gpg | $SUDO tee /etc/apt/sources.list.d/bookworm-backports.sources >/dev/null
+    fi
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq -t bookworm-backports golang-1.23-go >/dev/null
+  fi
+  mkdir -p .kvloop/bin .kvloop/go
+  GOTOOLCHAIN=local GOPATH="$PWD/.kvloop/go" GOCACHE="$PWD/.kvloop/go/cache" GOBIN="$PWD/.kvloop/bin" \
+    "$GO" install "sigs.k8s.io/kustomize/kustomize/v5@$KUSTOMIZE_VERSION"
+}
+
 setup() {
+  ensure_kustomize
   if ! command -v etcd >/dev/null 2>&1 && [ ! -x /usr/bin/etcd ]; then
     echo "== installing etcd-server (Debian)"
     SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"

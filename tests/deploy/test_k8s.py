@@ -1,0 +1,339 @@
+"""deploy/k8s: each overlay built with kustomize, every object validated against Kubernetes' own schemas
+(kubernetes-validate, strict: unknown fields fail), Istio objects against a small schema of the fields used here,
+and every kvloop container's command and KVLOOP_ variables through the real CLI and configs.
+
+kustomize: ``.kvloop/bin/kustomize`` (built by deploy/local/run.sh set-up when nothing else is there), else
+``kustomize`` on PATH, else ``kubectl kustomize`` (kubectl embeds kustomize v5)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import jsonschema  # type: ignore[import-untyped]
+import kubernetes_validate  # type: ignore[import-untyped]
+import pytest
+import yaml
+
+from engines.config import EngineConfig
+from tests.deploy.support import (
+    DEPLOY,
+    ROOT,
+    Checked,
+    DeployError,
+    check_engine_sidecar_pair,
+    check_kvloop,
+    final_stage,
+    listening_ports,
+    run_fingerprint,
+    stand_ins,
+)
+
+K8S = DEPLOY / "k8s"
+OVERLAYS = ["cpu-dev", "gpu", "istio"]
+KUBERNETES_VERSION = "1.32"
+# Values the kubelet would put in for the downward API, to check what the configs make of them.
+FIELD_VALUES = {"metadata.name": "kvloop-prefill-7d9f8-x2k4q", "status.podIP": "10.244.1.17"}
+# Image name (without tag) -> the Dockerfile stage it is built from.
+IMAGES = {"kvloop": (DEPLOY / "docker" / "Dockerfile", "kvloop"),
+          "kvloop-engine-cpu": (DEPLOY / "docker" / "Dockerfile", "engine-cpu"),
+          "kvloop-engine-gpu": (DEPLOY / "docker" / "Dockerfile.gpu", "engine-gpu")}
+
+_ISTIO_TLS = {"type": "object", "properties": {"mode": {"enum": ["DISABLE", "SIMPLE", "MUTUAL", "ISTIO_MUTUAL"]}},
+              "required": ["mode"], "additionalProperties": False}
+_META = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"},
+                                          "namespace": {"type": "string"}, "labels": {"type": "object"}},
+         "required": ["name"], "additionalProperties": False}
+_PORT = {"type": "object", "properties": {"number": {"type": "integer", "minimum": 1, "maximum": 65535},
+                                          "name": {"type": "string"},
+                                          "protocol": {"enum": ["HTTP", "HTTPS", "GRPC", "HTTP2", "TCP", "TLS"]}},
+         "required": ["number"], "additionalProperties": False}
+
+
+def _istio(api: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "object", "required": ["apiVersion", "kind", "metadata", "spec"], "additionalProperties": False,
+            "properties": {"apiVersion": {"const": api}, "kind": {"type": "string"}, "metadata": _META,
+                           "spec": spec}}
+
+
+# A schema of the Istio fields these manifests use (Istio's CRDs are not in Kubernetes' schemas), closed against
+# typos: an unknown field fails as it would in Istio's own validation.
+ISTIO_SCHEMAS: dict[str, dict[str, Any]] = {
+    "PeerAuthentication": _istio("security.istio.io/v1", {
+        "type": "object", "additionalProperties": False, "required": ["mtls"],
+        "properties": {"selector": {"type": "object"},
+                       "mtls": {"type": "object", "additionalProperties": False, "required": ["mode"],
+                                "properties": {"mode": {"enum": ["UNSET", "DISABLE", "PERMISSIVE", "STRICT"]}}}}}),
+    "DestinationRule": _istio("networking.istio.io/v1", {
+        "type": "object", "additionalProperties": False, "required": ["host"],
+        "properties": {"host": {"type": "string"},
+                       "trafficPolicy": {"type": "object", "additionalProperties": False,
+                                         "properties": {"tls": _ISTIO_TLS}}}}),
+    "Gateway": _istio("networking.istio.io/v1", {
+        "type": "object", "additionalProperties": False, "required": ["selector", "servers"],
+        "properties": {"selector": {"type": "object", "additionalProperties": {"type": "string"}},
+                       "servers": {"type": "array", "minItems": 1, "items": {
+                           "type": "object", "additionalProperties": False, "required": ["port", "hosts"],
+                           "properties": {"port": {**_PORT, "required": ["number", "name", "protocol"]},
+                                          "hosts": {"type": "array", "minItems": 1,
+                                                    "items": {"type": "string"}}}}}}}),
+    "VirtualService": _istio("networking.istio.io/v1", {
+        "type": "object", "additionalProperties": False, "required": ["hosts", "http"],
+        "properties": {"hosts": {"type": "array", "items": {"type": "string"}},
+                       "gateways": {"type": "array", "items": {"type": "string"}},
+                       "http": {"type": "array", "items": {
+                           "type": "object", "additionalProperties": False, "required": ["route"],
+                           "properties": {
+                               "match": {"type": "array", "items": {
+                                   "type": "object", "additionalProperties": False,
+                                   "properties": {"uri": {"type": "object", "minProperties": 1, "maxProperties": 1,
+                                                          "additionalProperties": False,
+                                                          "properties": {k: {"type": "string"} for k in
+                                                                         ("exact", "prefix", "regex")}}}}},
+                               "route": {"type": "array", "minItems": 1, "items": {
+                                   "type": "object", "additionalProperties": False, "required": ["destination"],
+                                   "properties": {"destination": {
+                                       "type": "object", "additionalProperties": False, "required": ["host"],
+                                       "properties": {"host": {"type": "string"},
+                                                      "port": {**_PORT, "required": ["number"]}}},
+                                       "weight": {"type": "integer"}}}},
+                               "timeout": {"type": "string", "pattern": r"^\d+(\.\d+)?(ms|s|m|h)$"},
+                               "retries": {"type": "object", "additionalProperties": False,
+                                           "properties": {"attempts": {"type": "integer", "minimum": 0}}}}}}}}),
+}
+
+
+@functools.cache
+def kustomize() -> list[str] | None:
+    local = ROOT / ".kvloop" / "bin" / "kustomize"
+    if local.is_file() and os.access(local, os.X_OK):
+        return [str(local), "build"]
+    if shutil.which("kustomize"):
+        return ["kustomize", "build"]
+    kubectl = shutil.which("kubectl")
+    if kubectl and subprocess.run([kubectl, "kustomize", "--help"], capture_output=True, timeout=60).returncode == 0:
+        return [kubectl, "kustomize"]
+    return None
+
+
+@functools.cache
+def build(directory: str) -> tuple[dict[str, Any], ...]:
+    cmd = kustomize()
+    if cmd is None:
+        pytest.skip("no kustomize: neither .kvloop/bin/kustomize (deploy/local/run.sh set-up builds it), "
+                    "kustomize nor kubectl on PATH")
+    done = subprocess.run([*cmd, directory], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"{' '.join(cmd)} {directory}: {done.stderr}"
+    return tuple(d for d in yaml.safe_load_all(done.stdout) if d)
+
+
+def pod_specs(objects: tuple[dict[str, Any], ...]) -> dict[str, dict[str, Any]]:
+    return {o["metadata"]["name"]: o["spec"]["template"]["spec"] for o in objects
+            if o["kind"] in ("Deployment", "StatefulSet")}
+
+
+def expand(value: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion of command, args and env values ($$ escapes)."""
+    return re.sub(r"\$\$|\$\((\w+)\)", lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)),
+                  value)
+
+
+def container_env(container: dict[str, Any]) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for item in container.get("env", []):
+        if "value" in item:
+            env[item["name"]] = expand(str(item["value"]), env)
+        else:
+            ref = item["valueFrom"].get("fieldRef", {}).get("fieldPath")
+            assert ref in FIELD_VALUES, f"{container['name']}: {item['name']} comes from {item['valueFrom']}"
+            env[item["name"]] = FIELD_VALUES[ref]
+    assert not container.get("envFrom"), f"{container['name']}: envFrom hides variables from these checks"
+    return env
+
+
+def container_argv(container: dict[str, Any]) -> list[str] | None:
+    image = container["image"].rsplit(":", 1)[0]
+    if image not in IMAGES:
+        return None
+    stage = final_stage(*IMAGES[image])
+    env = container_env(container)
+    command = container.get("command", stage.exec_form("ENTRYPOINT") or [])
+    args = container.get("args", stage.exec_form("CMD") if "command" not in container else [])
+    return [expand(str(a), env) for a in [*command, *(args or [])]]
+
+
+def check_pods(objects: tuple[dict[str, Any], ...], tmp: Path) -> dict[str, dict[str, Checked]]:
+    """Every kvloop container of every pod template through the CLI and configs; {workload: {container: ...}}."""
+    paths = stand_ins(tmp)
+    out: dict[str, dict[str, Checked]] = {}
+    for name, spec in pod_specs(objects).items():
+        pod: dict[str, Checked] = {}
+        for container in [*spec.get("initContainers", []), *spec["containers"]]:
+            argv = container_argv(container)
+            env = container_env(container)
+            where = f"{name}/{container['name']}"
+            if argv is None:
+                assert not any(k.startswith("KVLOOP_") for k in env), f"{where}: KVLOOP_ vars on a non-kvloop image"
+                continue
+            if argv[1:3] == ["model", "fingerprint"]:
+                pod[container["name"]] = check_kvloop(argv, env, where)
+                run_fingerprint(pod[container["name"]], paths)
+            else:
+                pod[container["name"]] = check_kvloop(argv, env, where, paths)
+        out[name] = pod
+    return out
+
+
+def check_objects(objects: tuple[dict[str, Any], ...], tmp: Path) -> None:
+    for obj in objects:
+        kind = obj["kind"]
+        if kind in ISTIO_SCHEMAS:
+            errors = list(jsonschema.Draft7Validator(ISTIO_SCHEMAS[kind]).iter_errors(obj))
+            assert not errors, f"{kind} {obj['metadata']['name']}: {[e.message for e in errors]}"
+            continue
+        try:
+            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            raise DeployError(f"{kind} {obj['metadata']['name']}: {exc.message} at "
+                              f"{'/'.join(map(str, exc.path))}") from exc
+    services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
+    workloads = {o["metadata"]["name"]: o for o in objects if o["kind"] in ("Deployment", "StatefulSet")}
+    checked = check_pods(objects, tmp)
+    for name, pod in checked.items():
+        spec = workloads[name]["spec"]["template"]["spec"]
+        containers = {c["name"]: c for c in [*spec.get("initContainers", []), *spec["containers"]]}
+        for cname, c in pod.items():
+            container = containers[cname]
+            where = f"{name}/{cname}"
+            assert container.get("resources", {}).get("requests"), f"{where}: no resource requests"
+            if c.command == "model fingerprint":
+                continue
+            ports = listening_ports(c)
+            declared = {p["containerPort"] for p in container.get("ports", [])}
+            assert ports <= declared, f"{where}: listens on {ports}, declares {declared}"
+            named = {p["name"]: p["containerPort"] for p in container.get("ports", [])}
+            probes = {k: container.get(k) for k in ("startupProbe", "readinessProbe", "livenessProbe")}
+            assert all(probes.values()), f"{where}: needs startup, readiness and liveness probes"
+            for kind, probe in probes.items():
+                assert isinstance(probe, dict)
+                if c.command in ("broker serve", "sidecar"):
+                    assert "grpc" in probe, f"{where}: {kind} must be a gRPC health probe"
+                    assert probe["grpc"]["port"] in ports, f"{where}: {kind} on {probe['grpc']['port']}"
+                else:
+                    assert "httpGet" in probe, f"{where}: {kind} must be an HTTP probe"
+                    port = probe["httpGet"]["port"]
+                    assert named.get(port, port) in ports, f"{where}: {kind} on {port}"
+            if c.command == "sidecar":
+                assert probes["readinessProbe"]["grpc"]["service"] == "kvloop.v1.EngineLink"
+        engines = [n for n, c in pod.items() if c.command == "engine"]
+        if engines:
+            engine, sidecar = pod[engines[0]], next(c for c in pod.values() if c.command == "sidecar")
+            check_engine_sidecar_pair(engine, sidecar, name, engine_host=FIELD_VALUES["status.podIP"])
+            volumes = {v["name"]: v for v in spec["volumes"]}
+            socket_dir = str(Path(str(getattr(sidecar.config, "socket", ""))).parent)
+            for cname in (engines[0], "sidecar", "fingerprint"):
+                mounts = {m["mountPath"]: m["name"] for m in containers[cname]["volumeMounts"]}
+                assert socket_dir in mounts and "emptyDir" in volumes[mounts[socket_dir]], \
+                    f"{name}/{cname}: {socket_dir} is not the pod's shared emptyDir"
+            shm = {m["mountPath"]: m["name"] for m in containers[engines[0]]["volumeMounts"]}.get("/dev/shm")
+            assert shm and volumes[shm].get("emptyDir", {}).get("medium") == "Memory", f"{name}: /dev/shm"
+            assert isinstance(engine.config, EngineConfig)
+            assert spec["terminationGracePeriodSeconds"] > engine.config.stop_timeout_s, f"{name}: too short to drain"
+            job = pod["fingerprint"].argv
+            for flag in ("--block-size", "--model", "--dtype"):
+                assert job[job.index(flag) + 1] == engine.argv[engine.argv.index(flag) + 1], \
+                    f"{name}: the fingerprint's {flag} differs from the engine's"
+    # Addresses handed to the router and sidecars are Services of this build, on ports their pods listen on.
+    listen = {name: set().union(*(listening_ports(c) for c in pod.values())) for name, pod in checked.items()}
+    for name, pod in checked.items():
+        for c in pod.values():
+            for address in str(getattr(c.config, "broker", "") or "").split(","):
+                if address:
+                    host, port = address.rsplit(":", 1)
+                    service_name = host.split(".")[1] if host.count(".") else host
+                    assert service_name in services, f"{name}: broker {address}: no Service {service_name}"
+                    assert int(port) in listen["kvloop-broker"], f"{name}: broker port {port}"
+    for service in services.values():
+        for port in service["spec"]["ports"]:
+            if "grpc" in port["name"]:
+                assert port.get("appProtocol") == "grpc", f"Service {service['metadata']['name']}: {port['name']}"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_builds_and_validates(overlay: str, tmp_path: Path) -> None:
+    objects = build(str(K8S / "overlays" / overlay))
+    check_objects(objects, tmp_path)
+    kinds = {(o["kind"], o["metadata"]["name"]) for o in objects}
+    for expected in [("StatefulSet", "kvloop-etcd"), ("StatefulSet", "kvloop-broker"), ("Deployment", "kvloop-router"),
+                     ("Deployment", "kvloop-prefill"), ("Deployment", "kvloop-decode")]:
+        assert expected in kinds, expected
+
+
+def test_gpu_overlay_asks_for_gpus(tmp_path: Path) -> None:
+    specs = pod_specs(build(str(K8S / "overlays" / "gpu")))
+    for name in ("kvloop-prefill", "kvloop-decode"):
+        engine = next(c for c in specs[name]["containers"] if c["name"] == "engine")
+        assert engine["image"].startswith("kvloop-engine-gpu:")
+        assert engine["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert not any(e["name"] == "KVLOOP_ENGINE_KV_CACHE_GIB" for e in engine["env"])
+        model = next(m for m in engine["volumeMounts"] if m["mountPath"] == "/models/model")
+        claim = next(v for v in specs[name]["volumes"] if v["name"] == model["name"])["persistentVolumeClaim"]
+        assert claim["claimName"] == "kvloop-model"
+
+
+def test_istio_overlay(tmp_path: Path) -> None:
+    objects = build(str(K8S / "overlays" / "istio"))
+    by_kind: dict[str, list[dict[str, Any]]] = {}
+    for o in objects:
+        by_kind.setdefault(o["kind"], []).append(o)
+    assert [p["spec"]["mtls"]["mode"] for p in by_kind["PeerAuthentication"]] == ["STRICT"]
+    namespace = by_kind["Namespace"][0]
+    assert namespace["metadata"]["labels"]["istio-injection"] == "enabled"
+    services = {f"{s['metadata']['name']}.{namespace['metadata']['name']}.svc.cluster.local": s
+                for s in by_kind["Service"]}
+    rules = {r["spec"]["host"]: r for r in by_kind["DestinationRule"]}
+    assert set(rules) == set(services), "one DestinationRule per Service"
+    assert all(r["spec"]["trafficPolicy"]["tls"]["mode"] == "ISTIO_MUTUAL" for r in rules.values())
+    gateways = {g["metadata"]["name"] for g in by_kind["Gateway"]}
+    for vs in by_kind["VirtualService"]:
+        assert set(vs["spec"]["gateways"]) <= gateways
+        for http in vs["spec"]["http"]:
+            for route in http["route"]:
+                dest = route["destination"]
+                assert dest["host"] in services, dest
+                assert dest["port"]["number"] in {p["port"] for p in services[dest["host"]]["spec"]["ports"]}
+
+
+def test_the_checks_catch_mistakes(tmp_path: Path) -> None:
+    import copy
+
+    def workload(objs: tuple[dict[str, Any], ...], name: str) -> dict[str, Any]:
+        return next(o for o in objs if o["metadata"]["name"] == name and o["kind"] in ("Deployment", "StatefulSet"))
+
+    objects = build(str(K8S / "overlays" / "cpu-dev"))
+    bad = copy.deepcopy(objects)
+    router = workload(bad, "kvloop-router")
+    router["spec"]["template"]["spec"]["containers"][0]["env"].append({"name": "KVLOOP_ROUTER_LISTN", "value": "x"})
+    with pytest.raises(DeployError, match="not a variable of RouterConfig"):
+        check_objects(tuple(bad), tmp_path / "a")
+    bad = copy.deepcopy(objects)
+    router = workload(bad, "kvloop-router")
+    router["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["pathh"] = "/x"
+    with pytest.raises(DeployError, match="readinessProbe"):
+        check_objects(tuple(bad), tmp_path / "b")
+    bad = copy.deepcopy(objects)
+    decode = workload(bad, "kvloop-decode")
+    engine = decode["spec"]["template"]["spec"]["containers"][0]
+    engine["args"] = ["--broker" if a == "--log-format" else ("kvloop-broker-0.kvloop-broker:50051" if a == "json"
+                                                               else a) for a in engine["args"]]
+    with pytest.raises(DeployError, match="spawn its own sidecar"):
+        check_objects(tuple(bad), tmp_path / "c")
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"apiVersion": "security.istio.io/v1", "kind": "PeerAuthentication",
+                             "metadata": {"name": "x"}, "spec": {"mtls": {"mode": "STRICTLY"}}},
+                            ISTIO_SCHEMAS["PeerAuthentication"])
