@@ -279,3 +279,23 @@ def test_the_checks_catch_mistakes(tmp_path: Path) -> None:
         for a in bad["services"]["sidecar-decode-0"]["command"]]
     with pytest.raises(DeployError, match="kvloop_sidecar_socket"):
         check_topology(bad, check_compose(bad, tmp_path / "e"))
+
+
+def test_dashboard_uses_real_metric_names() -> None:
+    """Every kvloop_* series the Grafana dashboard queries is one the broker, router or sidecar exports."""
+    from broker.metrics import BrokerMetrics
+    from engines.sidecar import SidecarMetrics
+    from router.metrics import RouterMetrics
+
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
+    exported = {family.name + suffix
+                for metrics in (BrokerMetrics(), RouterMetrics(), SidecarMetrics())
+                for family in metrics.registry.collect() for suffix in suffixes[family.type]}
+    dashboard = json.loads((DEPLOY / "observability" / "grafana" / "dashboards" / "kvloop.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = {name for e in exprs for name in re.findall(r"\bkvloop_[a-z_]+", e)}
+    assert used and used <= exported, f"not exported: {sorted(used - exported)}"
+    for wanted in ("kvloop_router_ttft_seconds_bucket", "kvloop_router_prompt_tokens_total",
+                   "kvloop_router_pull_bytes_total", "kvloop_broker_evictions_total", "kvloop_broker_retained_blocks"):
+        assert wanted in used, wanted
+    assert any("vllm:" in e for e in exprs)
