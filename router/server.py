@@ -26,7 +26,6 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvloop.client import BrokerClient, PlacementStream
 from kvloop.config import parse_host_port
 from kvloop.serving import wait_for_stop, write_port_file
 from kvloop.tls import TlsFiles
@@ -252,16 +251,6 @@ def api_key_middleware(keys: list[bytes], open_paths: frozenset[str], metrics: R
     return check
 
 
-async def _secure_broker_link(runner: TurnRunner, config: RouterConfig, tls: TlsFiles) -> None:
-    """``TurnRunner`` dials the broker in plaintext; with ``broker_tls_*`` set, its client and placement stream
-    are replaced with TLS ones here, before any call was made."""
-    if runner.broker is None:
-        return
-    await runner.broker.close()
-    runner.broker = BrokerClient(config.broker, timeout_s=config.broker_timeout_s, tls=tls)
-    runner.placements = PlacementStream(runner.broker.stub)
-
-
 async def start_router(config: RouterConfig) -> RunningRouter:
     """Start the router. With ``tls_cert``/``tls_key`` it serves HTTPS (``tls_ca``: client certificates signed by
     it are required); with an API key (``api_key``, ``api_key_file``) every path but ``open_paths`` needs
@@ -271,9 +260,6 @@ async def start_router(config: RouterConfig) -> RunningRouter:
     metrics = RouterMetrics()
     http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256, keepalive_timeout=60))
     runner = TurnRunner(config, http, metrics)
-    broker_tls = TlsFiles.of(config, "broker_tls_")
-    if broker_tls.enabled:
-        await _secure_broker_link(runner, config, broker_tls)
     await runner.refresh()
     app = RouterApp(config, runner, metrics)
     keys = config.api_keys()
@@ -296,7 +282,7 @@ async def start_router(config: RouterConfig) -> RunningRouter:
     log.info("router.listening", address=f"{host}:{bound}", broker=config.broker or None,
              engines=len(runner.directory.engines), api_key=bool(keys),
              tls="mutual" if server_tls.mutual else "server" if server_tls.enabled else "off",
-             broker_tls=broker_tls.enabled)
+             broker_tls=TlsFiles.of(config, "broker_tls_").enabled)
     return RunningRouter(config, runner, web_runner, bound, refresher, http)
 
 

@@ -33,6 +33,7 @@ from opentelemetry import propagate, trace
 from kvloop.client import BrokerClient, PlacementStream
 from kvloop.hashing import ExtraKeys, block_keys
 from kvloop.pd import complete_request, transfer_params
+from kvloop.tls import TlsFiles
 from kvloop.v1 import broker_pb2 as pb
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
@@ -130,7 +131,8 @@ class TurnRunner:
         self.http = http
         self.metrics = metrics
         self.directory = Directory(config)
-        self.broker = BrokerClient(config.broker, timeout_s=config.broker_timeout_s) if config.broker else None
+        self.broker = BrokerClient(config.broker, timeout_s=config.broker_timeout_s,
+                                   tls=TlsFiles.of(config, "broker_tls_")) if config.broker else None
         self.placements = PlacementStream(self.broker.stub) if self.broker else None
         self._background: set[asyncio.Task[Any]] = set()
         self.recent = RecentTurns(config.publication_wait_s)

@@ -282,6 +282,7 @@ def test_command_and_environment(tmp_path: Path) -> None:
     if is_cpu_build():
         assert flags["--block-size"] == "128" and "--enforce-eager" in argv and kv["kv_buffer_device"] == "cpu"
         assert plan.env["TORCH_COMPILE_DISABLE"] == "1"  # eager: not even vLLM's small Inductor helpers
+    assert plan.env["KVLOOP_ENGINE_IPC_SPIN_S"] == "0.002"  # engines.connector.cap_ipc_spin, in every process
     env = plan.env
     work = (tmp_path / "work").absolute()
     for name in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TMPDIR", "HF_HOME",
@@ -386,3 +387,37 @@ def test_stop_leaves_no_process_of_the_engine(pd_engines: PDEngines) -> None:
         assert not engine.plan.run_dir.exists()  # per-engine tmp and rpc folders are removed
         assert took < engine.plan.config.stop_timeout_s
         assert engine.stop() == code  # idempotent
+
+
+@pytest.mark.vllm
+def test_ipc_spin_cap_puts_idle_queue_readers_to_sleep() -> None:
+    """vLLM's queue reader spins for 1 s after a read; capped, a reader with nothing to read sleeps on its socket
+    (the wait lasts until its timeout instead of returning at once to spin again)."""
+    import zmq
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    from engines.connector import cap_ipc_spin
+
+    context = zmq.Context()
+    original = SpinCondition.wait
+    try:
+        writer = SpinCondition(is_reader=False, context=context, notify_address="inproc://kvloop-spin-test")
+        reader = SpinCondition(is_reader=True, context=context, notify_address="inproc://kvloop-spin-test")
+        reader.record_read()
+        t0 = time.perf_counter()
+        reader.wait(timeout_ms=200)
+        assert time.perf_counter() - t0 < 0.1 and reader.busy_loop_s == 1  # upstream: still spinning
+        cap_ipc_spin(0.0)
+        cap_ipc_spin(0.0)  # idempotent: one wrapper, not two
+        assert getattr(SpinCondition.wait, "_kvloop_original", None) is original
+        reader.record_read()
+        t0 = time.perf_counter()
+        reader.wait(timeout_ms=200)
+        assert time.perf_counter() - t0 >= 0.15 and reader.busy_loop_s == 0.0  # slept on the socket
+        writer.notify()
+        t0 = time.perf_counter()
+        reader.wait(timeout_ms=5000)
+        assert time.perf_counter() - t0 < 2.0  # and a notification still wakes it
+    finally:
+        SpinCondition.wait = original  # type: ignore[method-assign]
+        context.destroy(linger=0)
