@@ -37,6 +37,8 @@ CONNECTORS: dict[str, dict[str, str]] = {
     "nixl": {"kv_connector": "NixlConnector"},
     # kvloop's subclass of it (engines/connector.py); keeps the class name NixlConnector on purpose.
     "kvloop": {"kv_connector": "NixlConnector", "kv_connector_module_path": "engines.connector"},
+    # No KV connector: an aggregated engine that never transfers (kvloop bench multiturn's `ideal`).
+    "none": {},
 }
 DEFAULT_CONNECTOR = "kvloop"
 """The connector every engine loads unless told otherwise: the single switch to kvloop's connector."""
@@ -116,8 +118,9 @@ class EngineConfig(ServiceConfig):
                                             "Engines sharing a machine need disjoint cores")
     work_dir: Path | None = setting(None, "folder for caches, temporary files, logs and RPC sockets "
                                           "(default: .kvloop/ in the repository root or the current directory)")
-    connector: str = setting(DEFAULT_CONNECTOR, "KV connector: nixl (upstream NixlConnector) or kvloop "
-                                                "(engines.connector)", choices=tuple(CONNECTORS))
+    connector: str = setting(DEFAULT_CONNECTOR, "KV connector: nixl (upstream NixlConnector), kvloop "
+                                                "(engines.connector), or none (no transfers)",
+                             choices=tuple(CONNECTORS))
     kv_role: str = setting("kv_both", "vLLM kv_role; kvloop engines both send and receive KV", choices=KV_ROLES)
     kv_connector_extra_config: str = setting("{}", "JSON object passed as kv_connector_extra_config")
     extra_vllm_args: str = setting("", "more `vllm serve` arguments, shell-quoted (not the ones set above); "

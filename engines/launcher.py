@@ -187,10 +187,11 @@ def build_command(config: EngineConfig, *, engine_id: str, port: int, sidecar_so
     argv = [sys.executable, "-m", "engines.vllm_entry", "serve", str(Path(str(config.model)).absolute()),
             "--host", config.host, "--port", str(port),
             "--served-model-name", config.resolved_served_model_name(),
-            "--kv-transfer-config",
-            json.dumps(config.kv_transfer_config(engine_id, sidecar_socket), separators=(",", ":")),
             "--dtype", config.dtype,
             "--disable-access-log-for-endpoints", "/health,/metrics,/ping"]
+    if config.connector != "none":
+        argv += ["--kv-transfer-config",
+                 json.dumps(config.kv_transfer_config(engine_id, sidecar_socket), separators=(",", ":"))]
     if config.max_model_len is not None:
         argv += ["--max-model-len", str(config.max_model_len)]
     block_size = config.resolved_block_size()

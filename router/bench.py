@@ -51,6 +51,8 @@ class TurnRecord:
     ttft_s: float
     decision: str
     error: str = ""
+    detail: dict[str, Any] = field(default_factory=dict)
+    """kvloop's turns: the router's x-kvloop-* reply headers (matched, pulled, local and computed tokens, pull ms)."""
 
 
 @dataclass
@@ -177,6 +179,7 @@ class Client:
     def __init__(self, http: aiohttp.ClientSession, model: str, timeout_s: float) -> None:
         self.http, self.model, self.timeout_s = http, model, timeout_s
         self.turns = 0
+        self.last_detail: dict[str, str] = {}
 
     def body(self, prompt: list[int], max_tokens: int) -> dict[str, Any]:
         return {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
@@ -243,6 +246,8 @@ class RouterClient(Client):
     async def turn(self, conv: str, prompt: list[int], max_tokens: int) -> tuple[list[int], float, str]:
         ids, ttft, headers = await _stream(self.http, f"{self.router}/v1/completions", self.body(prompt, max_tokens),
                                            time.perf_counter(), self.timeout_s, headers={"x-session-id": conv})
+        self.last_detail = {k.lower().removeprefix("x-kvloop-"): v for k, v in headers.items()
+                            if k.lower().startswith("x-kvloop-")}
         return ids, ttft, headers.get("x-kvloop-decision", headers.get("X-Kvloop-Decision", "?"))
 
 
@@ -271,7 +276,8 @@ async def run_workload(config: str, client: Client, conversations: list[Conversa
                 prompt = history + new
                 try:
                     out, ttft, decision = await client.turn(conv.conversation_id, prompt, spec.output_tokens)
-                    records.append(TurnRecord(config, conv.conversation_id, i + 1, len(prompt), ttft, decision))
+                    records.append(TurnRecord(config, conv.conversation_id, i + 1, len(prompt), ttft, decision,
+                                              detail=dict(client.last_detail)))
                     history = prompt + out
                 except Exception as exc:
                     records.append(TurnRecord(config, conv.conversation_id, i + 1, len(prompt), 0.0, "ERROR",
@@ -308,7 +314,8 @@ async def run_config(name: str, model: Path, work: Path, spec: WorkloadSpec, con
     engines: list[Any] = []
     try:
         if name == "ideal":
-            configs = [_engine_config(model, work, "both", 0, connector="nixl", broker="", size=size, blocks=None,
+            # No KV connector: nothing is transferred, and the engine pays for no NIXL agent.
+            configs = [_engine_config(model, work, "both", 0, connector="none", broker="", size=size, blocks=None,
                                       extra={})]
         else:
             connector = "kvloop" if name.startswith("kvloop") else "nixl"

@@ -421,3 +421,9 @@ def test_ipc_spin_cap_puts_idle_queue_readers_to_sleep() -> None:
     finally:
         SpinCondition.wait = original  # type: ignore[method-assign]
         context.destroy(linger=0)
+
+
+def test_no_connector_means_no_kv_transfer_config_and_no_sidecar(tmp_path: Path) -> None:
+    plan = plan_engine(_config(tmp_path, connector="none", broker="127.0.0.1:50051"))
+    assert "--kv-transfer-config" not in plan.argv
+    assert not plan.sidecar_env  # a sidecar serves only kvloop's connector
