@@ -389,38 +389,42 @@ def test_stop_leaves_no_process_of_the_engine(pd_engines: PDEngines) -> None:
         assert engine.stop() == code  # idempotent
 
 
+SPIN_CHECK = """
+import time, zmq
+from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+from engines.connector import cap_ipc_spin
+
+context = zmq.Context()
+original = SpinCondition.wait
+writer = SpinCondition(is_reader=False, context=context, notify_address="inproc://kvloop-spin-test")
+reader = SpinCondition(is_reader=True, context=context, notify_address="inproc://kvloop-spin-test")
+reader.record_read()
+t0 = time.perf_counter()
+reader.wait(timeout_ms=200)
+assert time.perf_counter() - t0 < 0.1 and reader.busy_loop_s == 1, "upstream: still spinning"
+cap_ipc_spin(0.0)
+cap_ipc_spin(0.0)
+assert getattr(SpinCondition.wait, "_kvloop_original", None) is original, "one wrapper, not two"
+reader.record_read()
+t0 = time.perf_counter()
+reader.wait(timeout_ms=200)
+assert time.perf_counter() - t0 >= 0.15 and reader.busy_loop_s == 0.0, "capped: slept on the socket"
+writer.notify()
+t0 = time.perf_counter()
+reader.wait(timeout_ms=5000)
+assert time.perf_counter() - t0 < 2.0, "a notification still wakes it"
+print("spin-check-ok")
+"""
+
+
 @pytest.mark.vllm
 def test_ipc_spin_cap_puts_idle_queue_readers_to_sleep() -> None:
     """vLLM's queue reader spins for 1 s after a read; capped, a reader with nothing to read sleeps on its socket
-    (the wait lasts until its timeout instead of returning at once to spin again)."""
-    import zmq
-    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
-
-    from engines.connector import cap_ipc_spin
-
-    context = zmq.Context()
-    original = SpinCondition.wait
-    try:
-        writer = SpinCondition(is_reader=False, context=context, notify_address="inproc://kvloop-spin-test")
-        reader = SpinCondition(is_reader=True, context=context, notify_address="inproc://kvloop-spin-test")
-        reader.record_read()
-        t0 = time.perf_counter()
-        reader.wait(timeout_ms=200)
-        assert time.perf_counter() - t0 < 0.1 and reader.busy_loop_s == 1  # upstream: still spinning
-        cap_ipc_spin(0.0)
-        cap_ipc_spin(0.0)  # idempotent: one wrapper, not two
-        assert getattr(SpinCondition.wait, "_kvloop_original", None) is original
-        reader.record_read()
-        t0 = time.perf_counter()
-        reader.wait(timeout_ms=200)
-        assert time.perf_counter() - t0 >= 0.15 and reader.busy_loop_s == 0.0  # slept on the socket
-        writer.notify()
-        t0 = time.perf_counter()
-        reader.wait(timeout_ms=5000)
-        assert time.perf_counter() - t0 < 2.0  # and a notification still wakes it
-    finally:
-        SpinCondition.wait = original  # type: ignore[method-assign]
-        context.destroy(linger=0)
+    (the wait lasts until its timeout instead of returning at once to spin again). In a process of its own: the
+    test process does not load vLLM."""
+    result = subprocess.run([sys.executable, "-c", SPIN_CHECK], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0 and "spin-check-ok" in result.stdout, result.stderr[-3000:]
 
 
 def test_no_connector_means_no_kv_transfer_config_and_no_sidecar(tmp_path: Path) -> None:

@@ -605,8 +605,11 @@ def test_place_picks_the_longest_usable_prefix(
         if lease.engine_id in fit and lease.pending is None and common_prefix_blocks(lease.keys, keys) >= 1
     }
     best = max(usable.values(), default=0)
-    # The index reports only the leases tied at the longest prefix, so candidates counts those.
-    assert plan.candidates == sum(1 for d in usable.values() if d == best)
+    # The block holding the last prompt token is never reused, so every lease holding the usable (capped)
+    # prefix is as good as the longest one: all of them are candidates, tied on length.
+    length = {lid: min(d, cap) for lid, d in usable.items()} if 0 < cap < best else dict(usable)
+    # Candidates are the leases tied at the longest (capped) prefix.
+    assert plan.candidates == sum(1 for d in length.values() if d == max(length.values(), default=0) and d > 0)
     assert plan.matched_blocks == min(best, cap)
     assert plan.matched_tokens == plan.matched_blocks * block_size
     assert plan.prompt_blocks == len(keys)
@@ -619,9 +622,9 @@ def test_place_picks_the_longest_usable_prefix(
     assert plan.source is not None and plan.source.engine_id == chosen.engine_id
 
     def rank(lid: str) -> tuple[Any, ...]:
-        # The longest (uncapped) prefix wins; ties go to the request's session, then the latest use.
+        # The longest (capped) prefix wins; ties go to the request's session, then the latest use.
         lease = state.leases[lid]
-        return usable[lid], lease.session_id == request.session_id, lease.last_used, lid
+        return length[lid], lease.session_id == request.session_id, lease.last_used, lid
 
     assert plan.source_lease_id == max(usable, key=rank)
     assert chosen.keys[: plan.matched_blocks] == keys[: plan.matched_blocks]
