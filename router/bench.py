@@ -180,6 +180,8 @@ class Client:
         self.http, self.model, self.timeout_s = http, model, timeout_s
         self.turns = 0
         self.last_detail: dict[str, str] = {}
+        """The last turn's extra figures; read right after ``turn`` returns, with no await in between, so
+        concurrent conversations sharing this client cannot mix them up."""
 
     def body(self, prompt: list[int], max_tokens: int) -> dict[str, Any]:
         return {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
