@@ -2,7 +2,7 @@
 
 With ``tls_cert``, ``tls_key`` and ``tls_ca`` set, gRPC has already refused every caller without a
 certificate signed by ``tls_ca`` before a handler runs. What is left is authorization, by the names the
-caller's certificate carries (its subject CN and every SAN, :func:`kvloop.tls.peer_names`):
+caller's certificate carries (its subject CN and every SAN, :func:`kvloop.shared.tls.peer_names`):
 
 - **Engine RPCs** act for one engine: ``RegisterEngine`` (``engine.engine_id``), ``KeepAlive``,
   ``DeregisterEngine``, ``PublishLease``, ``WatchEvictions`` (``engine_id``), and ``RenewLease`` /
@@ -25,9 +25,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from broker.config import BrokerConfig
-from kvloop.errors import PermissionDenied
-from kvloop.tls import peer_names
+from kvloop.broker.config import BrokerConfig
+from kvloop.shared.errors import PermissionDenied
+from kvloop.shared.tls import peer_names
 
 ENGINE_RPCS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "RegisterEngine": ("engine.engine_id", lambda r: r.engine.engine_id),

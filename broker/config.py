@@ -8,10 +8,10 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from broker.core import POLICIES, Limits, PlacementPolicy
-from kvloop.config import ServiceConfig, parse_host_port, setting
-from kvloop.telemetry import LOG_FORMATS, LOG_LEVELS
-from kvloop.tls import check_files
+from kvloop.broker.core import POLICIES, Limits, PlacementPolicy
+from kvloop.shared.config import ServiceConfig, parse_host_port, setting
+from kvloop.shared.telemetry import LOG_FORMATS, LOG_LEVELS
+from kvloop.shared.tls import check_files
 
 
 @dataclass(frozen=True)

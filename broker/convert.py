@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from broker.core import (
+from kvloop.broker.core import (
     Addresses,
     CostEstimate,
     Decision,
@@ -19,7 +19,7 @@ from broker.core import (
     Plan,
     Role,
 )
-from kvloop.errors import InvalidArgument
+from kvloop.shared.errors import InvalidArgument
 from kvloop.v1 import broker_pb2 as pb
 
 _ROLE_FROM_PB: dict[int, Role] = {pb.ENGINE_ROLE_PREFILL: Role.PREFILL, pb.ENGINE_ROLE_DECODE: Role.DECODE,

@@ -11,11 +11,11 @@ from typing import TypeVar
 
 import structlog
 
-from broker.config import BrokerConfig
-from broker.core import BrokerState, Changes, EvictionCommand, make_policy
-from broker.metrics import BrokerMetrics
-from broker.store import Election, Store
-from kvloop.errors import Unavailable
+from kvloop.broker.config import BrokerConfig
+from kvloop.broker.core import BrokerState, Changes, EvictionCommand, make_policy
+from kvloop.broker.metrics import BrokerMetrics
+from kvloop.broker.store import Election, Store
+from kvloop.shared.errors import Unavailable
 
 log = structlog.get_logger("kvloop.broker")
 T = TypeVar("T")

@@ -2,7 +2,7 @@
 
 Every RPC gets one OpenTelemetry span (parented by an incoming ``traceparent``), a latency sample and,
 when refused, an error count by status code. Placement spans carry the whole decision. With mutual TLS every
-call is first authorized by the caller's certificate (:mod:`broker.access`; ``PERMISSION_DENIED`` otherwise).
+call is first authorized by the caller's certificate (:mod:`kvloop.broker.access`; ``PERMISSION_DENIED`` otherwise).
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import structlog
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from broker import convert
-from broker.access import Access
-from broker.core import BrokerState, EvictionCommand, PlaceInput, Plan
-from broker.runtime import BrokerRuntime
-from kvloop.errors import KvloopError
+from kvloop.broker import convert
+from kvloop.broker.access import Access
+from kvloop.broker.core import BrokerState, EvictionCommand, PlaceInput, Plan
+from kvloop.broker.runtime import BrokerRuntime
+from kvloop.shared.errors import KvloopError
 from kvloop.v1 import broker_pb2 as pb
 from kvloop.v1 import broker_pb2_grpc
 

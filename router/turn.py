@@ -1,6 +1,6 @@
 """One turn through the cluster: tokenize, place, pin, prefill (with the pull), decode.
 
-The steps are :mod:`kvloop.pd`'s, asynchronous and with the fallbacks a front door needs:
+The steps are :mod:`kvloop.benchmarks.pd_driver`'s, asynchronous and with the fallbacks a front door needs:
 
 - **Tokenize** on an engine's ``/tokenize`` with the request's own chat-template arguments, so the token
   ids (and so the block keys) are exactly the ones the engines will compute. Matching is by content; a
@@ -30,14 +30,14 @@ import aiohttp
 import structlog
 from opentelemetry import propagate, trace
 
-from kvloop.client import BrokerClient, PlacementStream
-from kvloop.hashing import ExtraKeys, block_keys
-from kvloop.pd import complete_request, transfer_params
-from kvloop.tls import TlsFiles
+from kvloop.router.config import RouterConfig
+from kvloop.router.metrics import RouterMetrics
+from kvloop.router.recent import RecentTurns
+from kvloop.shared.client import BrokerClient, PlacementStream, complete_request, transfer_params
+from kvloop.shared.hashing import ExtraKeys, block_keys
+from kvloop.shared.protocol import SESSION_KEY, PrefillReport, prefill_only_params
+from kvloop.shared.tls import TlsFiles
 from kvloop.v1 import broker_pb2 as pb
-from router.config import RouterConfig
-from router.metrics import RouterMetrics
-from router.recent import RecentTurns
 
 log = structlog.get_logger("kvloop.router")
 tracer = trace.get_tracer("kvloop.router")
@@ -119,10 +119,16 @@ class Prepared:
     reason: str = ""
     prompt_tokens: int = 0
     matched_tokens: int = 0
-    report: dict[str, Any] = field(default_factory=dict)
+    report: PrefillReport | None = None
+    """The prefill engine's own account (None: no kvloop connector reported, e.g. the prefill failed over)."""
     decode_alternatives: list[EngineInfo] = field(default_factory=list)
     decode_started_ns: int = 0
     prompt_keys: list[bytes] = field(default_factory=list)
+
+    @property
+    def done(self) -> PrefillReport:
+        """The report, or a full recompute when the engine gave none."""
+        return self.report or PrefillReport(computed_tokens=self.prompt_tokens)
 
 
 class TurnRunner:
@@ -233,7 +239,7 @@ class TurnRunner:
         decode = decode or self.directory.pick("decode")
         if prefill is None or decode is None:
             raise TurnError(503, "no prefill and decode engines are available")
-        params: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False}
+        params = prefill_only_params()
         pin = None
         if plan is not None and plan.decision == pb.DECISION_TRANSFER:
             pin = await self._pin(plan, prefill.engine_id)
@@ -247,16 +253,17 @@ class TurnRunner:
         with tracer.start_as_current_span("kvloop.prefill") as prefill_span:
             reply, used = await self._prefill(body, params, prefill)
             p_params = dict(reply.get("kv_transfer_params") or {})
-            report = dict(p_params.pop("kvloop", {}) or {})
+            report = PrefillReport.pop_from(p_params)
             prefill_span.set_attribute("kvloop.engine", used.engine_id)
-            for key in ("pulled_blocks", "pulled_bytes", "pull_ms", "computed_tokens", "local_tokens"):
-                if key in report:
-                    prefill_span.set_attribute(f"kvloop.{key}", report[key])
+            for key, value in (report.to_params() if report else {}).items():
+                if key != "pull_failed":
+                    prefill_span.set_attribute(f"kvloop.{key}", value)
         if pin is not None:
-            self._complete(pin, report if used.engine_id == prefill.engine_id else {"pull_failed": True})
-            if report.get("pull_failed") or used.engine_id != prefill.engine_id:
+            failed_over = used.engine_id != prefill.engine_id
+            self._complete(pin, PrefillReport(pull_failed=True) if failed_over else report)
+            if failed_over or report is None or report.pull_failed:
                 prepared.reason = "pull_failed_recomputed"
-        p_params["kvloop_session_id"] = session
+        p_params[SESSION_KEY] = session
         prepared.decode_params, prepared.report = p_params, report
         prepared.decode_alternatives = [e for e in self.directory.of_role("decode") if e.engine_id != decode.engine_id]
         return prepared
@@ -314,7 +321,7 @@ class TurnRunner:
             log.info("router.pin_refused", lease=plan.source_lease_id, error=str(exc))
             return None
 
-    def _complete(self, pin: pb.PinBlocksResponse, report: dict[str, Any]) -> None:
+    def _complete(self, pin: pb.PinBlocksResponse, report: PrefillReport | None) -> None:
         assert self.broker is not None
         request = complete_request(pin, report)
 
@@ -364,7 +371,7 @@ class TurnRunner:
         return "/v1/chat/completions" if prepared.kind == "chat" else "/v1/completions"
 
     def finish(self, prepared: Prepared, *, output_tokens: int, ttft_s: float, error: str = "") -> None:
-        span, report = prepared.span, prepared.report
+        span, report = prepared.span, prepared.done
         if prepared.decode_started_ns:
             decode_span = tracer.start_span("kvloop.decode", context=trace.set_span_in_context(span),
                                             start_time=prepared.decode_started_ns)
@@ -374,12 +381,12 @@ class TurnRunner:
         span.set_attribute("kvloop.decision", prepared.decision)
         span.set_attribute("kvloop.reason", prepared.reason)
         span.set_attribute("kvloop.matched_tokens", prepared.matched_tokens)
-        span.set_attribute("kvloop.pulled_blocks", int(report.get("pulled_blocks", 0)))
-        span.set_attribute("kvloop.pulled_tokens", int(report.get("pulled_tokens", 0)))
-        span.set_attribute("kvloop.local_tokens", int(report.get("local_tokens", 0)))
-        span.set_attribute("kvloop.pulled_bytes", int(report.get("pulled_bytes", 0)))
-        span.set_attribute("kvloop.pull_ms", float(report.get("pull_ms", 0.0)))
-        span.set_attribute("kvloop.recomputed_tokens", int(report.get("computed_tokens", prepared.prompt_tokens)))
+        span.set_attribute("kvloop.pulled_blocks", report.pulled_blocks)
+        span.set_attribute("kvloop.pulled_tokens", report.pulled_tokens)
+        span.set_attribute("kvloop.local_tokens", report.local_tokens)
+        span.set_attribute("kvloop.pulled_bytes", report.pulled_bytes)
+        span.set_attribute("kvloop.pull_ms", report.pull_ms)
+        span.set_attribute("kvloop.recomputed_tokens", report.computed_tokens)
         span.set_attribute("kvloop.ttft_ms", round(ttft_s * 1e3, 3))
         span.set_attribute("kvloop.decode_engine", prepared.decode.engine_id)
         span.set_attribute("gen_ai.usage.output_tokens", output_tokens)
@@ -391,16 +398,15 @@ class TurnRunner:
         m = self.metrics
         m.ttft.labels(prepared.decision).observe(ttft_s)
         m.decisions.labels(prepared.decision, prepared.reason).inc()
-        reused = int(report.get("pulled_tokens", 0)) + int(report.get("local_tokens", 0))
-        m.tokens.labels("reused").inc(reused)
-        m.tokens.labels("recomputed").inc(int(report.get("computed_tokens", prepared.prompt_tokens)))
-        if report.get("pulled_bytes"):
-            m.pull_bytes.inc(int(report["pulled_bytes"]))
-            m.pull_seconds.observe(float(report.get("pull_ms", 0.0)) / 1e3)
+        m.tokens.labels("reused").inc(report.reused_tokens)
+        m.tokens.labels("recomputed").inc(report.computed_tokens)
+        if report.pulled_bytes:
+            m.pull_bytes.inc(report.pulled_bytes)
+            m.pull_seconds.observe(report.pull_ms / 1e3)
         log.info("router.turn", session=prepared.session or None, decision=prepared.decision, reason=prepared.reason,
                  prompt_tokens=prepared.prompt_tokens,
-                 matched_tokens=prepared.matched_tokens, pulled_blocks=report.get("pulled_blocks", 0),
-                 computed_tokens=report.get("computed_tokens"), ttft_ms=round(ttft_s * 1e3, 1), error=error or None)
+                 matched_tokens=prepared.matched_tokens, pulled_blocks=report.pulled_blocks,
+                 computed_tokens=report.computed_tokens, ttft_ms=round(ttft_s * 1e3, 1), error=error or None)
 
     async def decode_stream(self, prepared: Prepared) -> AsyncIterator[bytes]:
         """The decode's SSE bytes, relayed as they come; retried on another decode engine before any byte."""

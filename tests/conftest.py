@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvloop import procs
+from kvloop.shared import procs
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,7 @@
 Pure code: it imports no gRPC, etcd or generated stubs, and takes the time as an argument.
 """
 
-from broker.core.eviction import (
+from kvloop.broker.core.eviction import (
     POLICIES,
     CostAwarePolicy,
     EvictionPolicy,
@@ -11,8 +11,8 @@ from broker.core.eviction import (
     choose_victims,
     make_policy,
 )
-from broker.core.index import BlockIndex, Match
-from broker.core.model import (
+from kvloop.broker.core.index import BlockIndex, Match
+from kvloop.broker.core.model import (
     Addresses,
     CostEstimate,
     Decision,
@@ -26,8 +26,8 @@ from broker.core.model import (
     Plan,
     Role,
 )
-from broker.core.placement import PlaceInput, PlacementPolicy, place
-from broker.core.state import BrokerState, Changes, Limits
+from kvloop.broker.core.placement import PlaceInput, PlacementPolicy, place
+from kvloop.broker.core.state import BrokerState, Changes, Limits
 
 __all__ = [
     "POLICIES",

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from broker.core.model import Lease
+from kvloop.broker.core.model import Lease
 
 
 class Refcounts(Protocol):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from broker.core.model import Lease
+from kvloop.broker.core.model import Lease
 
 
 @dataclass(frozen=True, slots=True)

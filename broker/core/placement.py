@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from broker.core.index import Match
-from broker.core.model import CostEstimate, Decision, EngineRecord, Plan
-from kvloop.errors import FailedPrecondition
+from kvloop.broker.core.index import Match
+from kvloop.broker.core.model import CostEstimate, Decision, EngineRecord, Plan
+from kvloop.shared.errors import FailedPrecondition
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,9 +12,9 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from broker.core.eviction import EvictionPolicy, RefView, choose_victims
-from broker.core.index import BlockIndex, Match
-from broker.core.model import (
+from kvloop.broker.core.eviction import EvictionPolicy, RefView, choose_victims
+from kvloop.broker.core.index import BlockIndex, Match
+from kvloop.broker.core.model import (
     EngineInfo,
     EngineLoad,
     EngineRecord,
@@ -24,9 +24,9 @@ from broker.core.model import (
     Pin,
     Plan,
 )
-from broker.core.placement import PlaceInput, PlacementPolicy, place
-from kvloop.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from kvloop.hashing import KEY_BYTES
+from kvloop.broker.core.placement import PlaceInput, PlacementPolicy, place
+from kvloop.shared.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from kvloop.shared.hashing import KEY_BYTES
 
 
 @dataclass(frozen=True, slots=True)

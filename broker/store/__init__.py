@@ -4,7 +4,7 @@
 change through to etcd, with TTLs riding on etcd leases, and elects one leader among replicas.
 """
 
-from broker.store.base import Election, Snapshot, Store
-from broker.store.memory import MemoryStore, SoloElection
+from kvloop.broker.store.base import Election, Snapshot, Store
+from kvloop.broker.store.memory import MemoryStore, SoloElection
 
 __all__ = ["Election", "MemoryStore", "Snapshot", "SoloElection", "Store"]

@@ -6,7 +6,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from broker.core import Changes, EngineRecord, Lease, Pin
+from kvloop.broker.core import Changes, EngineRecord, Lease, Pin
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from broker.core import Addresses, EngineInfo, EngineLoad, EngineRecord, EvictionReason, Lease, Pin, Role
+from kvloop.broker.core import Addresses, EngineInfo, EngineLoad, EngineRecord, EvictionReason, Lease, Pin, Role
 
 
 def encode_engine(rec: EngineRecord) -> bytes:

@@ -24,10 +24,10 @@ from typing import Any
 import aetcd
 import structlog
 
-from broker.core import Changes, Lease
-from broker.store import codec
-from broker.store.base import Snapshot
-from kvloop.errors import Unavailable
+from kvloop.broker.core import Changes, Lease
+from kvloop.broker.store import codec
+from kvloop.broker.store.base import Snapshot
+from kvloop.shared.errors import Unavailable
 
 log = structlog.get_logger("kvloop.broker.etcd")
 

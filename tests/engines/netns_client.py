@@ -67,7 +67,7 @@ async def wait(http: list[str], grpcs: list[str], timeout_s: float) -> int:
 async def engine_addresses(broker: str) -> list[dict[str, str]]:
     from google.protobuf.json_format import MessageToDict
 
-    from kvloop.client import BrokerClient
+    from kvloop.shared.client import BrokerClient
     from kvloop.v1 import broker_pb2 as pb
 
     async with BrokerClient(broker) as client:
@@ -77,7 +77,7 @@ async def engine_addresses(broker: str) -> list[dict[str, str]]:
 
 
 async def lease_ids(broker: str) -> set[str]:
-    from kvloop.client import BrokerClient
+    from kvloop.shared.client import BrokerClient
     from kvloop.v1 import broker_pb2 as pb
 
     async with BrokerClient(broker) as client:

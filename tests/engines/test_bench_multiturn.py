@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from router.workload import WorkloadSpec, replay, synthetic
+from kvloop.benchmarks.workload import WorkloadSpec, replay, synthetic
 
 ROOT = Path(__file__).resolve().parents[2]
 QUANTILES = {"p50", "p95", "p99"}

@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from engines.config import EngineConfig, is_cpu_build
-from engines.launcher import EngineProcess, build_command, build_env, plan_engine, rpc_dir, start_engine
-from kvloop.errors import ConfigError
+from kvloop.engines.config import EngineConfig, is_cpu_build
+from kvloop.engines.launcher import EngineProcess, build_command, build_env, plan_engine, rpc_dir, start_engine
+from kvloop.shared.errors import ConfigError
+from kvloop.shared.http import read_metrics
 
 if TYPE_CHECKING:
     from tests.engines.conftest import PDEngines
@@ -43,20 +44,7 @@ def http_json(url: str, body: dict[str, Any] | None = None, timeout_s: float = 3
 
 def scrape(url: str, attempts: int = 3, timeout_s: float = 60.0) -> dict[str, float]:
     """Prometheus text format -> {'name{labels}': value} (samples only); retried on a new connection."""
-    for attempt in range(attempts):
-        try:
-            with urllib.request.urlopen(f"{url}/metrics", timeout=timeout_s) as reply:
-                text = reply.read().decode()
-            break
-        except TimeoutError:
-            if attempt == attempts - 1:
-                raise
-    samples: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            samples[key] = float(value)
-    return samples
+    return read_metrics(url, timeout_s=timeout_s, attempts=attempts)
 
 
 def metric(samples: dict[str, float], name: str, **labels: str) -> float:
@@ -254,8 +242,8 @@ def test_bad_config_from_flags_env_and_file(tmp_path: Path) -> None:
 def test_cli_rejects_a_bad_value_with_exit_code_2(tmp_path: Path) -> None:
     model = _config(tmp_path).model
     env = {**os.environ, "KVLOOP_ENGINE_KV_CONNECTOR_EXTRA_CONFIG": "not json"}
-    result = subprocess.run([sys.executable, "-m", "engines.launcher", "--role", "prefill", "--model", str(model),
-                             "--work-dir", str(tmp_path / "work")], cwd=ROOT, env=env, capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "kvloop.engines.launcher", "--role", "prefill", "--model",
+                             str(model), "--work-dir", str(tmp_path / "work")], cwd=ROOT, env=env, capture_output=True,
                             text=True, timeout=300)  # generous: the machine may be shared
     assert result.returncode == 2, result.stderr
     assert "invalid configuration: kv_connector_extra_config:" in result.stderr
@@ -270,7 +258,7 @@ def test_command_and_environment(tmp_path: Path) -> None:
                      engine_id="d-1", served_model_name="tiny", connector="nixl")
     plan = plan_engine(config)
     argv = plan.argv
-    assert argv[1:5] == ["-m", "engines.vllm_entry", "serve", str(config.model)]
+    assert argv[1:5] == ["-m", "kvloop.engines.vllm_entry", "serve", str(config.model)]
     flags = dict(itertools.pairwise(argv))
     assert flags["--port"] == "8100" and flags["--host"] == "127.0.0.1" and flags["--served-model-name"] == "tiny"
     assert flags["--dtype"] == "float32" and flags["--max-model-len"] == "2048"
@@ -302,7 +290,7 @@ def test_command_and_environment(tmp_path: Path) -> None:
     kvloop = _config(tmp_path, connector="kvloop")
     kv = json.loads(build_command(kvloop, engine_id="x", port=1)[build_command(kvloop, engine_id="x", port=1)
                                                                     .index("--kv-transfer-config") + 1])
-    assert kv["kv_connector_module_path"] == "engines.connector"
+    assert kv["kv_connector_module_path"] == "kvloop.engines.connector"
     # kvloop's connector: decode-to-prefill mode, failed pulls recompute; no broker, so no sidecar.
     assert kv["kv_load_failure_policy"] == "recompute" and kv["kv_connector_extra_config"]["bidirectional_kv_xfer"]
     assert "kvloop_sidecar_socket" not in kv["kv_connector_extra_config"]
@@ -316,7 +304,7 @@ def test_command_and_environment(tmp_path: Path) -> None:
     assert side["KVLOOP_SIDECAR_NIXL_ADDRESS"] == f"127.0.0.1:{with_broker.nixl_port}"
     assert side["KVLOOP_SIDECAR_ENGINE_URL"] == with_broker.url
     # The sidecar accepts exactly what the launcher gives it.
-    from engines.sidecar import SidecarConfig
+    from kvloop.engines.sidecar import SidecarConfig
 
     assert SidecarConfig.load({}, env=side).engine_id == with_broker.engine_id
     assert build_env(config, work_dir=work, run_dir=work / "run" / "x", nixl_port=1,
@@ -343,8 +331,8 @@ def test_default_engine_id_and_free_ports(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_launcher_cli_stops_the_engine_on_sigterm_during_startup(tiny_model: Path, tmp_path: Path) -> None:
-    """``python -m engines.launcher``: SIGTERM while vLLM is still starting -> exit 0, no process left."""
-    launcher = subprocess.Popen([sys.executable, "-m", "engines.launcher", "--role", "both", "--model",
+    """``python -m kvloop.engines.launcher``: SIGTERM while vLLM is still starting -> exit 0, no process left."""
+    launcher = subprocess.Popen([sys.executable, "-m", "kvloop.engines.launcher", "--role", "both", "--model",
                                  str(tiny_model), "--work-dir", str(tmp_path / "work"), "--log-format", "json"],
                                 cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -392,7 +380,7 @@ def test_stop_leaves_no_process_of_the_engine(pd_engines: PDEngines) -> None:
 SPIN_CHECK = """
 import time, zmq
 from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
-from engines.connector import cap_ipc_spin
+from kvloop.engines.connector import cap_ipc_spin
 
 context = zmq.Context()
 original = SpinCondition.wait

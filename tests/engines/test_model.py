@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from engines import model as tiny
+from kvloop.engines import model as tiny
 
 pytestmark = pytest.mark.slow
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 
-from engines.config import split_cores
+from kvloop.engines.config import split_cores
 from tests.engines.conftest import BROKER_FLAGS, EXTRA_CONFIG
 from tests.engines.test_router import assert_same_tokens
 

@@ -1,5 +1,5 @@
 """The return path end to end: real vLLM CPU engines with kvloop's connector, their sidecars, a real broker,
-real NIXL over loopback. Turns are driven by :class:`kvloop.pd.PDDriver` over token ids.
+real NIXL over loopback. Turns are driven by :class:`kvloop.benchmarks.pd_driver.PDDriver` over token ids.
 
 Proofs come from the engines themselves: the prefill engine's
 ``vllm:prompt_tokens_by_source_total{source=...}`` (tokens computed, hit in its local prefix cache, or
@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import grpc
 import pytest
 
-from engines.config import EngineConfig
-from engines.launcher import EngineProcess, plan_engine, spawn_engine
-from engines.layout import engine_fingerprint
-from kvloop.pd import PDDriver, Turn, post_json
+from kvloop.benchmarks.pd_driver import PDDriver, Turn, post_json
+from kvloop.engine_set import role_cores, start_engines
+from kvloop.engines.config import EngineConfig
+from kvloop.engines.layout import engine_fingerprint
 from kvloop.v1 import broker_pb2 as pb
 from kvloop.v1 import broker_pb2_grpc
-from tests.engines.conftest import ENGINE_START_TIMEOUT_S, EXTRA_CONFIG, split_cpus
+from tests.engines.conftest import ENGINE_START_TIMEOUT_S, EXTRA_CONFIG
 from tests.engines.test_launcher import metric, scrape
 
 if TYPE_CHECKING:
@@ -245,12 +245,11 @@ def test_killed_decode_engine_drops_its_leases_and_the_next_turn_recomputes(
     old.stop()
     config = EngineConfig(role="decode", model=pd_engines.model_dir, dtype="float32", max_model_len=4096,
                           work_dir=tmp_path_factory.mktemp("decode-again"), kv_connector_extra_config=EXTRA_CONFIG,
-                          kv_role="kv_consumer", omp_threads_bind=split_cpus(2)[1], connector="kvloop",
+                          kv_role="kv_consumer", omp_threads_bind=role_cores("decode"), connector="kvloop",
                           broker=pd_engines.broker, engine_id="decode-test-2")
-    fresh: EngineProcess = spawn_engine(plan_engine(config))
+    fresh = start_engines([config], timeout_s=ENGINE_START_TIMEOUT_S).by_id("decode-test-2")
     pd_engines.replacements.append(fresh)  # stopped at teardown (stop is idempotent)
     pd_engines.decode = fresh  # the shared decode engine from now on
-    fresh.wait_ready(ENGINE_START_TIMEOUT_S)
     wait_for(lambda: engines_registered(broker_stub), lambda ids: "decode-test-2" in ids, timeout_s=60,
              what="the new decode engine registered")
     driver.engines["decode-test-2"] = fresh.url

@@ -19,8 +19,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from router.config import RouterConfig
-from router.server import RunningRouter, start_router
+from kvloop.router.config import RouterConfig
+from kvloop.router.server import RunningRouter, start_router
+from kvloop.shared.http import aiter_sse
 from tests.engines.test_return_path import NEAR_TIE
 
 if TYPE_CHECKING:
@@ -67,17 +68,14 @@ async def stream_chat(url: str, body: dict[str, Any]) -> str:
     text = []
     async with aiohttp.ClientSession() as http, http.post(url, json={**body, "stream": True}) as reply:
         assert reply.status == 200 and reply.headers["content-type"].startswith("text/event-stream")
-        async for raw in reply.content:
-            line = raw.decode().strip()
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                for choice in chunk["choices"]:
-                    text.append((choice.get("delta") or {}).get("content") or choice.get("text") or "")
+        async for chunk in aiter_sse(reply.content):
+            for choice in chunk["choices"]:
+                text.append((choice.get("delta") or {}).get("content") or choice.get("text") or "")
     return "".join(text)
 
 
 async def lease_ids(broker: str) -> set[str]:
-    from kvloop.client import BrokerClient
+    from kvloop.shared.client import BrokerClient
     from kvloop.v1 import broker_pb2 as pb
 
     async with BrokerClient(broker) as client:

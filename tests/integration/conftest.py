@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvloop import procs
+from kvloop.shared import procs
 
 ModuleBrokerFactory = Callable[..., procs.Proc]
 

@@ -15,8 +15,8 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvloop import procs
-from kvloop.hashing import ExtraKeys, block_keys
+from kvloop.shared import procs
+from kvloop.shared.hashing import ExtraKeys, block_keys
 from kvloop.v1 import broker_pb2 as pb
 from kvloop.v1 import broker_pb2_grpc
 

@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 import pytest
 
-from kvloop.client import wait_serving
+from kvloop.shared.client import wait_serving
 from kvloop.v1 import broker_pb2 as pb
 from tests.integration.conftest import ModuleBrokerFactory
 from tests.integration.helpers import (

@@ -9,7 +9,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from kvloop.client import BrokerClient, wait_serving
+from kvloop.shared.client import BrokerClient, wait_serving
 from kvloop.v1 import broker_pb2 as pb
 from tests.integration.conftest import ModuleBrokerFactory
 from tests.integration.helpers import (

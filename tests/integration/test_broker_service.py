@@ -17,7 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from kvloop.client import PlacementStream, wait_serving
+from kvloop.shared.client import PlacementStream, wait_serving
 from kvloop.v1 import broker_pb2 as pb
 from tests.integration.conftest import ModuleBrokerFactory
 from tests.integration.helpers import (

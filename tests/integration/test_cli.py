@@ -14,8 +14,8 @@ import grpc
 import pytest
 import yaml
 
-from kvloop import procs
-from kvloop.client import wait_serving
+from kvloop.shared import procs
+from kvloop.shared.client import wait_serving
 from kvloop.v1 import broker_pb2 as pb
 from tests.integration.conftest import ModuleBrokerFactory
 from tests.integration.helpers import BS, SERVICE, Broker, engine, keys_for, place_request, publish_request, tokens

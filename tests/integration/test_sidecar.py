@@ -19,9 +19,9 @@ from typing import Any
 import grpc
 import pytest
 
-from engines.link import EngineLinkClient
-from engines.sidecar import SidecarConfig, serve
-from kvloop.hashing import ExtraKeys, block_keys
+from kvloop.engines.connector.link import EngineLinkClient
+from kvloop.engines.sidecar import SidecarConfig, serve
+from kvloop.shared.hashing import ExtraKeys, block_keys
 from kvloop.v1 import broker_pb2 as pb
 from kvloop.v1 import engine_link_pb2 as lpb
 from kvloop.v1 import engine_link_pb2_grpc
@@ -177,7 +177,7 @@ async def test_publication_refused_releases_the_blocks(tmp_path: Path, broker_ad
 
 
 def test_bad_sidecar_config_names_the_field(tmp_path: Path) -> None:
-    from kvloop.errors import ConfigError
+    from kvloop.shared.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"^retention_fraction"):
         SidecarConfig.load({}, env={"KVLOOP_SIDECAR_ENGINE_ID": "e", "KVLOOP_SIDECAR_BROKER": "127.0.0.1:1",

@@ -24,14 +24,14 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
-from kvloop import procs
-from kvloop.client import wait_serving
-from kvloop.errors import ConfigError
-from kvloop.tls import TlsFiles, insecure_or_secure_channel
+from kvloop.router.config import RouterConfig
+from kvloop.router.server import RunningRouter, start_router
+from kvloop.shared import procs
+from kvloop.shared.client import wait_serving
+from kvloop.shared.errors import ConfigError
+from kvloop.shared.tls import TlsFiles, insecure_or_secure_channel
 from kvloop.v1 import broker_pb2 as pb
 from kvloop.v1 import broker_pb2_grpc
-from router.config import RouterConfig
-from router.server import RunningRouter, start_router
 from tests.integration.conftest import ModuleBrokerFactory
 from tests.integration.helpers import SERVICE, StreamReader, engine, place_request, poll, publish_request, tokens
 from tests.integration.test_sidecar import FakeConnector, hello, retained, running_sidecar
@@ -231,9 +231,9 @@ def test_broker_status_command_with_tls(mtls_broker: procs.Proc, pki: PKI, capsy
 # Configuration: every bad path or pair names its field.
 
 def test_bad_tls_files_name_the_field(pki: PKI, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from broker.config import BrokerConfig
-    from engines.sidecar import SidecarConfig
+    from kvloop.broker.config import BrokerConfig
     from kvloop.cli import main
+    from kvloop.engines.sidecar import SidecarConfig
 
     def broker(**env: str) -> None:
         BrokerConfig.load({}, env={f"KVLOOP_BROKER_{k.upper()}": v for k, v in env.items()})

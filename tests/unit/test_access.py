@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from broker.access import CLIENT_RPCS, ENGINE_RPCS, LEASE_RPCS, Access
-from broker.config import BrokerConfig
-from engines.config import EngineConfig
-from engines.sidecar import SidecarConfig
-from kvloop.errors import PermissionDenied
+from kvloop.broker.access import CLIENT_RPCS, ENGINE_RPCS, LEASE_RPCS, Access
+from kvloop.broker.config import BrokerConfig
+from kvloop.engines.config import EngineConfig
+from kvloop.engines.sidecar import SidecarConfig
+from kvloop.shared.errors import PermissionDenied
 from kvloop.v1 import broker_pb2 as pb
 
 

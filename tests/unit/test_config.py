@@ -1,4 +1,4 @@
-"""Typed configuration: kvloop.config's merge of flags, env, YAML and defaults, and BrokerConfig's checks."""
+"""Typed configuration: kvloop.shared.config's merge of flags, env, YAML and defaults, and BrokerConfig's checks."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import yaml
 
-from broker.config import BrokerConfig
-from kvloop.config import ServiceConfig, parse_host_port, setting
-from kvloop.errors import ConfigError, InvalidArgument
+from kvloop.broker.config import BrokerConfig
+from kvloop.shared.config import ServiceConfig, parse_host_port, setting
+from kvloop.shared.errors import ConfigError, InvalidArgument
 
 
 @dataclass(frozen=True)

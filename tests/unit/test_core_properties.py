@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from broker.core import (
+from kvloop.broker.core import (
     BlockIndex,
     BrokerState,
     CostAwarePolicy,
@@ -31,8 +31,8 @@ from broker.core import (
     Role,
     choose_victims,
 )
-from kvloop.errors import FailedPrecondition, NotFound, ResourceExhausted
-from kvloop.hashing import ExtraKeys, block_keys, common_prefix_blocks
+from kvloop.shared.errors import FailedPrecondition, NotFound, ResourceExhausted
+from kvloop.shared.hashing import ExtraKeys, block_keys, common_prefix_blocks
 
 PROPS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 EXTRA = ExtraKeys("prop-fp")

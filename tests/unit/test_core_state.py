@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from broker.core import (
+from kvloop.broker.core import (
     Addresses,
     BrokerState,
     CostAwarePolicy,
@@ -26,8 +26,8 @@ from broker.core import (
     Role,
     make_policy,
 )
-from kvloop.errors import FailedPrecondition, InvalidArgument, KvloopError, NotFound, ResourceExhausted, Status
-from kvloop.hashing import ExtraKeys, block_keys
+from kvloop.shared.errors import FailedPrecondition, InvalidArgument, KvloopError, NotFound, ResourceExhausted, Status
+from kvloop.shared.hashing import ExtraKeys, block_keys
 
 FP = "fp-test"
 BS = 16

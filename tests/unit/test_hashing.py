@@ -1,4 +1,4 @@
-"""Block keys (kvloop.hashing) against the specification in docs/block-keys.md."""
+"""Block keys (kvloop.shared.hashing) against the specification in docs/block-keys.md."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from kvloop.hashing import (
+from kvloop.shared.hashing import (
     KEY_BYTES,
     KEY_VERSION,
     ROOT_PARENT,
@@ -109,7 +109,7 @@ def test_block_keys_match_an_independent_derivation(
 
 def test_keys_are_stable_across_processes() -> None:
     code = (
-        "from kvloop.hashing import ExtraKeys, block_keys\n"
+        "from kvloop.shared.hashing import ExtraKeys, block_keys\n"
         "keys = block_keys(list(range(1, 11)), 4, ExtraKeys('example-fingerprint'))\n"
         "print(' '.join(k.hex() for k in keys))\n"
     )

@@ -6,13 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvloop import protogen
+from kvloop.shared import protogen
 
 
 def test_generated_stubs_are_up_to_date(tmp_path: Path) -> None:
     # protoc runs in a process of its own: in-process, after the whole suite had loaded vLLM, torch, NIXL and
     # cryptography into pytest, grpc_tools' protoc crashed the run with a segfault (a fresh-clone CI run).
-    result = subprocess.run([sys.executable, "-m", "kvloop.protogen", "--out", str(tmp_path)], cwd=protogen.REPO,
+    result = subprocess.run([sys.executable, "-m", "kvloop.shared.protogen", "--out", str(tmp_path)], cwd=protogen.REPO,
                             capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stderr[-2000:]
     generated = [tmp_path / line for line in result.stdout.split()]
@@ -25,7 +25,7 @@ def test_generated_stubs_are_up_to_date(tmp_path: Path) -> None:
         committed = protogen.REPO / rel
         if not committed.exists() or committed.read_bytes() != path.read_bytes():
             stale.append(rel.as_posix())
-    assert not stale, (f"stale generated stubs: {stale}; regenerate them with `python -m kvloop.protogen` "
+    assert not stale, (f"stale generated stubs: {stale}; regenerate them with `python -m kvloop.shared.protogen` "
                        "and commit the result")
 
 
@@ -34,4 +34,4 @@ def test_every_proto_has_committed_stubs() -> None:
         stem = protogen.REPO / proto.relative_to(protogen.PROTO_ROOT).with_suffix("")
         for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py"):
             path = stem.with_name(stem.name + suffix)
-            assert path.exists(), f"{path} is missing; run `python -m kvloop.protogen`"
+            assert path.exists(), f"{path} is missing; run `python -m kvloop.shared.protogen`"

@@ -8,13 +8,14 @@ from typing import Any
 
 import pytest
 
-from engines.launcher import rpc_dir, short_path
-from kvloop.errors import ConfigError
-from kvloop.pd import BANDWIDTH_SAMPLE_MIN_BYTES, LEASE_READ_PREFIX, complete_request, transfer_params
+from kvloop.engines.launcher import rpc_dir, short_path
+from kvloop.router.config import RouterConfig
+from kvloop.router.server import validate
+from kvloop.router.turn import Directory, TurnError
+from kvloop.shared.client import complete_request, transfer_params
+from kvloop.shared.errors import ConfigError
+from kvloop.shared.protocol import BANDWIDTH_SAMPLE_MIN_BYTES, LEASE_READ_PREFIX, PrefillReport
 from kvloop.v1 import broker_pb2 as pb
-from router.config import RouterConfig
-from router.server import validate
-from router.turn import Directory, TurnError
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -82,12 +83,12 @@ def test_transfer_params_name_the_pinned_prefix() -> None:
 
 def test_complete_request_learns_bandwidth_only_from_big_pulls() -> None:
     pin = pb.PinBlocksResponse(pin_id="P")
-    small = complete_request(pin, {"pulled_bytes": 1000, "pull_ms": 50.0, "pull_failed": False})
+    small = complete_request(pin, PrefillReport(pulled_bytes=1000, pull_ms=50.0, pull_failed=False))
     assert small.success and small.bytes == 1000 and small.duration_s == 0.0
-    big = complete_request(pin, {"pulled_bytes": BANDWIDTH_SAMPLE_MIN_BYTES, "pull_ms": 4.0, "pull_failed": False})
+    big = complete_request(pin, PrefillReport(pulled_bytes=BANDWIDTH_SAMPLE_MIN_BYTES, pull_ms=4.0, pull_failed=False))
     assert big.duration_s == pytest.approx(0.004)
-    assert not complete_request(pin, {"pulled_bytes": 0, "pull_failed": True}).success
-    assert not complete_request(pin, {}).success  # no report: the pull did not happen
+    assert not complete_request(pin, PrefillReport(pulled_bytes=0, pull_failed=True)).success
+    assert not complete_request(pin, None).success  # no report: the pull did not happen
 
 
 def test_short_paths_fit_unix_sockets(tmp_path: Path) -> None:
@@ -109,7 +110,7 @@ def test_router_config_names_the_bad_field() -> None:
 
 
 def test_recent_turns_expect_the_longest_answered_prompt_this_one_extends() -> None:
-    from router.recent import RecentTurns
+    from kvloop.router.recent import RecentTurns
 
     keys = [bytes([i]) * 32 for i in range(10)]
     recent = RecentTurns(window_s=0.5)
@@ -125,7 +126,7 @@ def test_recent_turns_expect_the_longest_answered_prompt_this_one_extends() -> N
 
 
 def test_recent_turns_key_position_must_match_and_capacity_holds() -> None:
-    from router.recent import RecentTurns
+    from kvloop.router.recent import RecentTurns
 
     keys = [bytes([i]) * 32 for i in range(4)]
     recent = RecentTurns(window_s=1.0, capacity=2)

@@ -7,12 +7,12 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from broker.config import BrokerConfig
-from broker.core import Addresses, Changes, EngineInfo, Lease, Role
-from broker.metrics import BrokerMetrics
-from broker.runtime import BrokerRuntime
-from broker.store import Snapshot
-from kvloop.errors import Unavailable
+from kvloop.broker.config import BrokerConfig
+from kvloop.broker.core import Addresses, Changes, EngineInfo, Lease, Role
+from kvloop.broker.metrics import BrokerMetrics
+from kvloop.broker.runtime import BrokerRuntime
+from kvloop.broker.store import Snapshot
+from kvloop.shared.errors import Unavailable
 
 
 class FakeStore:

@@ -27,7 +27,7 @@ def run_service(name: str, config: Any, serve: Callable[[Any], Coroutine[Any, An
                 console_spans: bool = False) -> int:
     """Configure logging (from ``config.log_format``/``log_level``) and tracing for service ``name``, run
     ``serve(config)`` until it returns, then flush the spans. Returns the exit code 0."""
-    from kvloop.telemetry import configure_logging, configure_tracing
+    from kvloop.shared.telemetry import configure_logging, configure_tracing
 
     configure_logging(config.log_format, config.log_level)
     provider = configure_tracing(name, console_spans=console_spans)

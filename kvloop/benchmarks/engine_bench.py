@@ -27,14 +27,17 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from engines.config import EngineConfig, split_cores
-from engines.launcher import EngineProcess, plan_engine, spawn_engine
-from engines.layout import engine_fingerprint
-from kvloop import procs
-from kvloop.pd import PDDriver, post_json
+from kvloop.benchmarks.pd_driver import PDDriver, post_json
+from kvloop.engine_set import EngineSet, role_cores, start_engines
+from kvloop.engines.config import EngineConfig, default_work_dir
+from kvloop.engines.launcher import EngineProcess
+from kvloop.engines.layout import engine_fingerprint
+from kvloop.engines.model import ensure_tiny_model
+from kvloop.shared import procs
 
 BLOCK = 128
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -56,7 +59,7 @@ def group_cpu_seconds(pgid: int, extra_pids: tuple[int, ...] = ()) -> float:
     return total / CLK_TCK
 
 
-def idle_cpu(engines: list[EngineProcess], seconds: float, settle_s: float = 3.0) -> dict[str, float]:
+def idle_cpu(engines: Iterable[EngineProcess], seconds: float, settle_s: float = 3.0) -> dict[str, float]:
     """CPU-seconds per second of each engine (with its sidecar) over the same ``seconds``, starting ``settle_s``
     after the last request (vLLM's CPU worker spins for a second after every step it runs: that is the
     step's cost, not idling)."""
@@ -72,26 +75,15 @@ def idle_cpu(engines: list[EngineProcess], seconds: float, settle_s: float = 3.0
     return {k: round((after[k] - before[k]) / (t1 - t0), 3) for k in before}
 
 
-def start_cluster(model: Path, work: Path, connector: str, broker: str) -> list[EngineProcess]:
+def start_cluster(model: Path, work: Path, connector: str, broker: str) -> EngineSet:
+    """Two prefill and one decode engine, each bound to its role's cores."""
     extra = json.dumps({"bidirectional_kv_xfer": True, "kv_lease_duration": 180})
-    cores = dict(zip(("prefill", "decode"), split_cores(2), strict=True))
-    started: list[EngineProcess] = []
-    try:
-        for i, role in enumerate(("prefill", "prefill", "decode")):
-            # Prefill engines share half the cores, the decode engine has the other half.
-            config = EngineConfig(role=role, model=model, max_model_len=16384, work_dir=work, connector=connector,
-                                  broker=broker if connector == "kvloop" else "", engine_id=f"{role}-{i}",
-                                  kv_role="kv_producer" if role == "prefill" else "kv_consumer",
-                                  kv_connector_extra_config=extra, omp_threads_bind=cores[role],
-                                  log_level="warning")
-            started.append(spawn_engine(plan_engine(config)))
-        for engine in started:
-            engine.wait_ready(900)
-    except BaseException:
-        for engine in started:
-            engine.stop()
-        raise
-    return started
+    return start_engines([EngineConfig(role=role, model=model, max_model_len=16384, work_dir=work,
+                                       connector=connector, broker=broker if connector == "kvloop" else "",
+                                       engine_id=f"{role}-{i}", omp_threads_bind=role_cores(role),
+                                       kv_role="kv_producer" if role == "prefill" else "kv_consumer",
+                                       kv_connector_extra_config=extra, log_level="warning")
+                          for i, role in enumerate(("prefill", "prefill", "decode"))], timeout_s=900)
 
 
 def one_way_turn(model: str, prefill: EngineProcess, decode: EngineProcess, prompt: list[int], max_tokens: int
@@ -146,23 +138,9 @@ def print_rows(title: str, rows: list[dict[str, Any]]) -> None:
               f"{r['pulled_bytes']!s:>9} {r['pull_ms']!s:>8} {r['ttft_ms']:>8}")
 
 
-def ensure_model(path: Path | None, work: Path) -> Path:
-    if path is not None:
-        return path
-    model = work / "models" / "tiny"
-    if not (model / "config.json").exists():
-        from engines.model import build_tiny_model
-
-        print(f"building the tiny model in {model} ...", flush=True)
-        build_tiny_model(model)
-    return model
-
-
 def main(args: argparse.Namespace) -> int:
-    from engines.config import default_work_dir
-
     work = Path(args.work_dir or default_work_dir() / "bench-engines").absolute()
-    model = ensure_model(args.model, default_work_dir())
+    model = ensure_tiny_model(args.model)
     name = model.name
     rng = random.Random(0)
     warm_prompt = [rng.randrange(300, 4000) for _ in range(1024)]
@@ -172,11 +150,10 @@ def main(args: argparse.Namespace) -> int:
     engines = start_cluster(model, work / "before", "nixl", "")
     try:
         result["idle_cpu"]["before_nothing_retained"] = idle_cpu(engines, args.idle_seconds)
-        one_way_turn(name, engines[0], engines[2], warm_prompt, 16)
+        one_way_turn(name, engines.by_id("prefill-0"), engines.by_id("decode-2"), warm_prompt, 16)
         result["idle_cpu"]["before_retained"] = idle_cpu(engines, args.idle_seconds)
     finally:
-        for engine in engines:
-            engine.stop()
+        engines.stop()
 
     print("== after: kvloop connector, sidecars, broker", flush=True)
     broker = procs.start_broker("bench-broker", ("--keepalive-interval-s", "1", "--engine-ttl-s", "5"), work / "broker")
@@ -189,14 +166,13 @@ def main(args: argparse.Namespace) -> int:
         result["idle_cpu"]["after_nothing_retained"] = idle_cpu(engines, args.idle_seconds)
         driver.turn(warm_prompt, max_tokens=16, session="warm", stream=True)
         result["idle_cpu"]["after_retained"] = idle_cpu(engines, args.idle_seconds)
-        prefills = [e.engine_id for e in engines if e.plan.config.role == "prefill"]
+        prefills = [e.engine_id for e in engines.of_role("prefill")]
         shape = {"turns": args.turns, "first": args.first_tokens, "new": args.new_tokens, "out": args.output_tokens}
         on = run_session(driver, prefills, seed=1, transfer=True, session="on", **shape)
         off = run_session(driver, prefills, seed=2, transfer=False, session="off", **shape)
         driver.close()
     finally:
-        for engine in engines:
-            engine.stop()
+        engines.stop()
         broker.stop()
 
     print_rows("return path ON (kvloop)", on)

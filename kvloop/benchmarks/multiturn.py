@@ -35,7 +35,12 @@ from typing import Any
 
 import aiohttp
 
-from router.workload import Conversation, WorkloadSpec, describe, replay, synthetic
+from kvloop.benchmarks.workload import Conversation, WorkloadSpec, describe, replay, synthetic
+from kvloop.cluster import LocalCluster
+from kvloop.engine_set import EngineSet, role_cores, start_engines
+from kvloop.engines.config import EngineConfig, default_work_dir
+from kvloop.engines.model import ensure_tiny_model
+from kvloop.shared.http import aiter_sse, metric_by_label, read_metrics
 
 BLOCK = 128
 CONFIGS = ("one_way", "upstream", "kvloop", "ideal")
@@ -111,34 +116,15 @@ class Progress:
 # Engines and clients -------------------------------------------------------------------------------------
 
 def _engine_config(model: Path, work: Path, role: str, index: int, *, connector: str, broker: str, size: Sizing,
-                   blocks: int | None, extra: dict[str, Any]) -> Any:
-    from engines.config import EngineConfig, split_cores
-
+                   blocks: int | None, extra: dict[str, Any]) -> EngineConfig:
     args = f"--num-gpu-blocks-override {blocks}" if blocks else ""
-    # Prefill engines share half the cores, the decode engine has the other half; one aggregated engine all.
-    cores = {"prefill": split_cores(2)[0], "decode": split_cores(2)[1]}.get(role, "auto")
+    cores = role_cores(role)
     return EngineConfig(role=role, model=model, engine_id=f"{role}-{index}", work_dir=work, connector=connector,
                         broker=broker, max_model_len=size.max_model_len, extra_vllm_args=args,
                         retention_fraction=size.retention_fraction, omp_threads_bind=cores,
                         kv_role={"prefill": "kv_producer", "decode": "kv_consumer"}.get(role, "kv_both"),
                         kv_connector_extra_config=json.dumps({"kv_lease_duration": 120, **extra}),
                         log_level="warning")
-
-
-def start_engines(configs: list[Any]) -> list[Any]:
-    from engines.launcher import plan_engine, spawn_engine
-
-    engines = []
-    try:
-        for config in configs:
-            engines.append(spawn_engine(plan_engine(config), die_with_parent=False))
-        for engine in engines:
-            engine.wait_ready(engine.plan.config.startup_timeout_s)
-    except BaseException:
-        for engine in engines:
-            engine.stop()
-        raise
-    return engines
 
 
 async def _post(http: aiohttp.ClientSession, url: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
@@ -159,17 +145,14 @@ async def _stream(http: aiohttp.ClientSession, url: str, body: dict[str, Any], t
         if reply.status >= 400:
             raise RuntimeError(f"{url} answered {reply.status}: {(await reply.text())[:200]}")
         headers = dict(reply.headers)
-        async for raw in reply.content:
-            line = raw.decode().strip()
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    raise RuntimeError(str(chunk["error"])[:200])
-                for choice in chunk.get("choices", []):
-                    new = list(choice.get("token_ids") or [])
-                    if new and not ttft:
-                        ttft = time.perf_counter() - t0
-                    ids += new
+        async for chunk in aiter_sse(reply.content):
+            if "error" in chunk:
+                raise RuntimeError(str(chunk["error"])[:200])
+            for choice in chunk.get("choices", []):
+                new = list(choice.get("token_ids") or [])
+                if new and not ttft:
+                    ttft = time.perf_counter() - t0
+                ids += new
     return ids, ttft or time.perf_counter() - t0, headers
 
 
@@ -294,43 +277,41 @@ async def run_workload(config: str, client: Client, conversations: list[Conversa
 
 
 def source_tokens(urls: list[str]) -> dict[str, float]:
-    import urllib.request
-
+    """Prompt tokens by source (local_compute, local_cache_hit, external_kv_transfer) over the engines."""
     totals: dict[str, float] = {}
     for url in urls:
-        with urllib.request.urlopen(f"{url}/metrics", timeout=30) as reply:
-            for line in reply.read().decode().splitlines():
-                if line.startswith("vllm:prompt_tokens_by_source_total{"):
-                    source = line.split('source="', 1)[1].split('"', 1)[0]
-                    totals[source] = totals.get(source, 0.0) + float(line.rpartition(" ")[2])
+        for source, value in metric_by_label(read_metrics(url), "vllm:prompt_tokens_by_source_total",
+                                             "source").items():
+            totals[source] = totals.get(source, 0.0) + value
     return totals
 
 
 async def run_config(name: str, model: Path, work: Path, spec: WorkloadSpec, conversations: list[Conversation],
                      size: Sizing, timeout_s: float) -> tuple[list[TurnRecord], dict[str, float]]:
-    from kvloop import procs
-
     work = work / name
     extra_up = {"bidirectional_kv_xfer": True, "kv_lease_duration": 120}
-    broker = router = None
-    engines: list[Any] = []
+    cluster: LocalCluster | None = None
+    engines = EngineSet()
+
+    def pd(connector: str, broker: str, extra: dict[str, Any]) -> list[EngineConfig]:
+        configs = [_engine_config(model, work, "prefill", i, connector=connector, broker=broker, size=size,
+                                  blocks=size.prefill_blocks, extra=extra) for i in range(2)]
+        return [*configs, _engine_config(model, work, "decode", 2, connector=connector, broker=broker, size=size,
+                                         blocks=size.decode_blocks, extra=extra)]
+
     try:
         if name == "ideal":
             # No KV connector: nothing is transferred, and the engine pays for no NIXL agent.
-            configs = [_engine_config(model, work, "both", 0, connector="none", broker="", size=size, blocks=None,
-                                      extra={})]
+            engines = await asyncio.to_thread(start_engines, [_engine_config(
+                model, work, "both", 0, connector="none", broker="", size=size, blocks=None, extra={})])
+        elif name.startswith("kvloop"):
+            cluster = await LocalCluster.start(lambda broker: pd("kvloop", broker, {}), work,
+                                               separate_broker=True, broker={"engine_ttl_s": 10.0},
+                                               router={"request_timeout_s": timeout_s})
+            engines = cluster.engines
         else:
-            connector = "kvloop" if name.startswith("kvloop") else "nixl"
-            if connector == "kvloop":
-                broker = procs.start_broker("bench-broker", ("--keepalive-interval-s", "1", "--engine-ttl-s", "10"),
-                                            work / "broker")
-            address = broker.extra["address"] if broker else ""
-            extra = extra_up if name.startswith("upstream") else {}
-            configs = [_engine_config(model, work, "prefill", i, connector=connector, broker=address, size=size,
-                                      blocks=size.prefill_blocks, extra=extra) for i in range(2)]
-            configs.append(_engine_config(model, work, "decode", 2, connector=connector, broker=address, size=size,
-                                          blocks=size.decode_blocks, extra=extra))
-        engines = await asyncio.to_thread(start_engines, configs)
+            engines = await asyncio.to_thread(start_engines, pd("nixl", "", extra_up if name.startswith("upstream")
+                                                                else {}))
         urls = {e.engine_id: e.url for e in engines}
         prefill_urls = [u for k, u in urls.items() if not k.startswith("decode")]
         before = await asyncio.to_thread(source_tokens, prefill_urls)
@@ -339,18 +320,9 @@ async def run_config(name: str, model: Path, work: Path, spec: WorkloadSpec, con
             client: Client
             if name == "ideal":
                 client = AggregatedClient(http, mname, timeout_s, urls["both-0"])
-            elif name.startswith("kvloop"):
-                from router.config import RouterConfig
-                from router.server import start_router
-
-                assert broker is not None
-                router = await start_router(RouterConfig(listen="127.0.0.1:0", broker=broker.extra["address"],
-                                                         refresh_s=1.0, log_level="warning",
-                                                         request_timeout_s=timeout_s))
-                while len(router.runner.directory.engines) < len(engines):
-                    await router.runner.refresh()
-                    await asyncio.sleep(0.1)
-                client = RouterClient(http, mname, timeout_s, router.url)
+            elif cluster is not None:
+                assert cluster.router is not None
+                client = RouterClient(http, mname, timeout_s, cluster.router.url)
             else:
                 cls = UpstreamClient if name.startswith("upstream") else OneWayClient
                 client = cls(http, mname, timeout_s, [urls["prefill-0"], urls["prefill-1"]], urls["decode-2"])
@@ -358,11 +330,10 @@ async def run_config(name: str, model: Path, work: Path, spec: WorkloadSpec, con
         after = await asyncio.to_thread(source_tokens, prefill_urls)
         return records, {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     finally:
-        if router is not None:
-            await router.stop()
-        await asyncio.gather(*(asyncio.to_thread(e.stop) for e in engines))
-        if broker is not None:
-            broker.stop()
+        if cluster is not None:
+            await cluster.stop()
+        else:
+            await asyncio.to_thread(engines.stop)
 
 
 def summarize(records: list[TurnRecord], tokens: dict[str, float]) -> dict[str, Any]:
@@ -422,13 +393,7 @@ def print_table(summary: dict[str, dict[str, Any]]) -> None:
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
-    from engines.config import default_work_dir
-    from engines.model import build_tiny_model
-
-    model = args.model or default_work_dir() / "models" / "tiny"
-    if not (Path(model) / "config.json").exists():
-        print(f"building the tiny model in {model} ...", flush=True)
-        await asyncio.to_thread(build_tiny_model, Path(model))
+    model = await asyncio.to_thread(ensure_tiny_model, args.model)
     spec = WorkloadSpec(conversations=args.conversations, turns_min=args.turns_min, turns_max=args.turns_max,
                         system_tokens=args.system_tokens, own_prefix_tokens=args.own_prefix_tokens,
                         new_min=args.new_min, new_max=args.new_max, output_tokens=args.output_tokens,

@@ -11,12 +11,13 @@ from typing import Any
 
 import grpc
 
-from kvloop.tls import TlsFiles, insecure_or_secure_channel
+from kvloop.shared.protocol import PrefillReport, pull_params
+from kvloop.shared.tls import TlsFiles, insecure_or_secure_channel
 from kvloop.v1 import broker_pb2_grpc
 
 
 class BrokerClient:
-    """``tls``: the client's :class:`kvloop.tls.TlsFiles` (CA of the broker, the client's own certificate and
+    """``tls``: the client's :class:`kvloop.shared.tls.TlsFiles` (CA of the broker, the client's own certificate and
     key); None or nothing set = plaintext channels."""
 
     def __init__(self, addresses: Sequence[str] | str, *, timeout_s: float = 5.0,
@@ -159,3 +160,23 @@ class PlacementStream:
             for task in self._tasks:
                 task.cancel()
             call.cancel()
+
+
+def transfer_params(plan: Any, pin: Any) -> dict[str, Any]:
+    """The prefill's ``kv_transfer_params`` to pull the pinned prefix of ``plan``'s source lease
+    (``plan``: a ``Plan``; ``pin``: a ``PinBlocksResponse``)."""
+    return pull_params(source_engine_id=plan.source_engine_id, lease_id=plan.source_lease_id,
+                       nixl_address=plan.source_addresses.nixl, block_ids=list(pin.block_ids),
+                       matched_blocks=int(plan.matched_blocks), matched_tokens=int(plan.matched_tokens))
+
+
+def complete_request(pin: Any, report: PrefillReport | None) -> Any:
+    """``CompleteTransfer`` for a pin from the prefill's report (None: the pull did not happen). Only pulls of
+    ``BANDWIDTH_SAMPLE_MIN_BYTES`` or more carry a duration to learn bandwidth from."""
+    from kvloop.v1 import broker_pb2 as pb
+
+    if report is None:
+        return pb.CompleteTransferRequest(pin_id=pin.pin_id, success=False)
+    nbytes, seconds = report.bandwidth_sample()
+    return pb.CompleteTransferRequest(pin_id=pin.pin_id, success=not report.pull_failed, bytes=nbytes,
+                                      duration_s=seconds)

@@ -3,7 +3,7 @@
 It is the protocol in its plainest form, used by the engine tests and ``kvloop bench engines``; the
 router (``router/``) is the production path with the same steps. Per turn:
 
-1. block keys of the prompt with the shared hash (:mod:`kvloop.hashing`) and ``Place`` at the broker;
+1. block keys of the prompt with the shared hash (:mod:`kvloop.shared.hashing`) and ``Place`` at the broker;
 2. on ``TRANSFER``: ``PinBlocks`` on the source lease (the broker then defers any eviction of it), and
    the prefill request's ``kv_transfer_params`` name the source: its NIXL side channel, the pinned block
    ids cut to the matched prefix, ``remote_num_tokens`` = the matched tokens, and a ``remote_request_id``
@@ -24,34 +24,12 @@ from typing import Any
 
 import grpc
 
-from kvloop.hashing import ExtraKeys, block_keys
+from kvloop.shared.client import complete_request, transfer_params
+from kvloop.shared.hashing import ExtraKeys, block_keys
+from kvloop.shared.http import iter_sse
+from kvloop.shared.protocol import SESSION_KEY, PrefillReport, prefill_only_params
 from kvloop.v1 import broker_pb2 as pb
 from kvloop.v1 import broker_pb2_grpc
-
-LEASE_READ_PREFIX = "kvloop-lease-"  # engines.connector.LEASE_READ_PREFIX (that module imports vLLM)
-BANDWIDTH_SAMPLE_MIN_BYTES = 8 << 20
-"""Pulls smaller than this teach no bandwidth: their time is the fixed per-pull cost (an engine step, the
-notification, the first handshake), which the broker's cost model counts as ``transfer_overhead_s``. Seen
-here: 2.6 MB in 66 ms, i.e. 40 MB/s "bandwidth" from a link that moves ~7 GB/s, which made every later
-pull look dearer than recomputing."""
-
-
-def transfer_params(plan: pb.Plan, pin: pb.PinBlocksResponse) -> dict[str, Any]:
-    """The prefill's ``kv_transfer_params`` for pulling the pinned prefix of the plan's source lease."""
-    host, _, port = plan.source_addresses.nixl.rpartition(":")
-    return {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": plan.source_engine_id,
-            "remote_request_id": LEASE_READ_PREFIX + plan.source_lease_id,
-            "remote_block_ids": [list(pin.block_ids)[: plan.matched_blocks]], "remote_host": host,
-            "remote_port": int(port), "remote_num_tokens": int(plan.matched_tokens), "tp_size": 1}
-
-
-def complete_request(pin: pb.PinBlocksResponse, report: dict[str, Any]) -> pb.CompleteTransferRequest:
-    """``CompleteTransfer`` for a pin from the prefill's ``kvloop`` report (no report: the pull did not happen).
-    Only pulls of ``BANDWIDTH_SAMPLE_MIN_BYTES`` or more carry a duration to learn bandwidth from."""
-    nbytes = int(report.get("pulled_bytes", 0))
-    duration = float(report.get("pull_ms", 0.0)) / 1e3 if nbytes >= BANDWIDTH_SAMPLE_MIN_BYTES else 0.0
-    return pb.CompleteTransferRequest(pin_id=pin.pin_id, success=bool(report) and not report.get("pull_failed"),
-                                      bytes=nbytes, duration_s=duration)
 
 
 def post_json(url: str, body: dict[str, Any], timeout_s: float = 300.0) -> dict[str, Any]:
@@ -116,7 +94,7 @@ class PDDriver:
         decision = pb.Decision.Name(plan.decision).removeprefix("DECISION_")
         reason = plan.reason
         prefill_id = prefill or plan.prefill_engine_id
-        params: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False}
+        params: dict[str, Any] = prefill_only_params()
         pin: pb.PinBlocksResponse | None = None
         if plan.decision == pb.DECISION_TRANSFER:
             if transfer and plan.source_engine_id != prefill_id:
@@ -139,11 +117,12 @@ class PDDriver:
         prefilled = post_json(f"{self.engines[prefill_id]}/v1/completions", body, self.timeout_s)
         ttft = time.perf_counter() - t0
         p_params = dict(prefilled.get("kv_transfer_params") or {})
-        report = dict(p_params.pop("kvloop", {}) or {})
+        prefill_report = PrefillReport.pop_from(p_params)
+        report = prefill_report.to_params() if prefill_report else {}
         if pin is not None:
-            self.stub.CompleteTransfer(complete_request(pin, report), timeout=10)
+            self.stub.CompleteTransfer(complete_request(pin, prefill_report), timeout=10)
         decode_id = plan.decode_engine_id
-        p_params["kvloop_session_id"] = session
+        p_params[SESSION_KEY] = session
         body = {"model": self.model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,
                 "kv_transfer_params": p_params, "return_token_ids": True}
         if logprobs:
@@ -172,11 +151,7 @@ class PDDriver:
         first: dict[str, float] = {}
         ttft = 0.0
         with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
-            for raw in reply:
-                line = raw.decode().strip()
-                if not line.startswith("data:") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[5:])
+            for chunk in iter_sse(reply):
                 for choice in chunk.get("choices", []):
                     new = list(choice.get("token_ids") or [])
                     if new and not ttft:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvloop.hashing import ExtraKeys, block_keys, layout_fingerprint
+from kvloop.shared.hashing import ExtraKeys, block_keys, layout_fingerprint
 
 FINGERPRINT = layout_fingerprint(model="bench", layers=4, kv_heads=2, head_dim=64, dtype="bf16", block=128)
 
@@ -74,7 +74,7 @@ async def _run_phase(address: str, name: str, clients: int, duration: float, pro
     """``streams`` > 0: placements go over that many PlaceStream calls instead of unary Place."""
     import grpc
 
-    from kvloop.client import PlacementStream
+    from kvloop.shared.client import PlacementStream
     from kvloop.v1 import broker_pb2 as pb
     from kvloop.v1 import broker_pb2_grpc
 
@@ -147,7 +147,7 @@ async def _run_phase(address: str, name: str, clients: int, duration: float, pro
 
 
 def _bench_store(store: str, args: argparse.Namespace, work: Path) -> dict[str, PhaseResult]:
-    from kvloop import procs
+    from kvloop.shared import procs
 
     broker_cpus, client_cpus = _pin_cores()
     etcd = None
@@ -160,9 +160,9 @@ def _bench_store(store: str, args: argparse.Namespace, work: Path) -> dict[str, 
     if client_cpus:
         os.sched_setaffinity(0, client_cpus)
     try:
-        from broker.server import SERVICE_NAME
-        from kvloop.client import wait_serving
-        from kvloop.serving import run_async
+        from kvloop.broker.server import SERVICE_NAME
+        from kvloop.shared.client import wait_serving
+        from kvloop.shared.serving import run_async
 
         run_async(wait_serving(broker.extra["address"], SERVICE_NAME, timeout_s=30))
         results = {}

@@ -1,4 +1,4 @@
-"""Regenerate the Python stubs in ``kvloop/v1`` from ``protos/``: ``python -m kvloop.protogen``.
+"""Regenerate the Python stubs in ``kvloop/v1`` from ``protos/``: ``python -m kvloop.shared.protogen``.
 
 The output is committed; ``tests/unit/test_protos_fresh.py`` fails when it is stale. grpcio-tools is
 pinned in the ``dev`` extra so that the same command gives the same bytes everywhere.
@@ -10,7 +10,9 @@ import argparse
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from kvloop.shared.paths import IMPORT_ROOT
+
+REPO = IMPORT_ROOT  # protos/ and kvloop/v1 live in the repository root
 PROTO_ROOT = REPO / "protos"
 
 

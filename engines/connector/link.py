@@ -51,7 +51,7 @@ class EngineLinkClient:
     a hold command pushes it later. When a deadline passes (the sidecar went silent: it died, or lost
     its broker for longer than the hold), the thread issues a release itself, so blocks never outlive
     their coordination by more than one hold. This thread is the safety net; the workers' own deadline
-    for retained blocks is far beyond it (:data:`engines.connector.WORKER_DEADLINE_S`)."""
+    for retained blocks is far beyond it (:data:`kvloop.engines.connector.scheduler.WORKER_DEADLINE_S`)."""
 
     MAX_QUEUED = 4096
     BACKOFF_S = (0.05, 0.2, 0.5, 1.0, 2.0)

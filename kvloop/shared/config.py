@@ -12,22 +12,41 @@ import dataclasses
 import os
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
 import yaml
 
-from kvloop.errors import ConfigError
+from kvloop.shared.errors import ConfigError
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
-def setting(default: Any, help: str, *, choices: Sequence[str] | None = None, secret: bool = False) -> Any:
+def setting(default: Any, help: str, *, choices: Sequence[str] | None = None, secret: bool = False,
+            dashed_value: bool = False) -> Any:
     """Declare a config field: its default, its help text and (for strings) the allowed values. A ``secret``
-    (an API key) is left out of the config's ``repr``, so logging a config never prints it."""
-    return dataclasses.field(default=default, repr=not secret, metadata={"help": help, "choices": choices})
+    (an API key) is left out of the config's ``repr``, so logging a config never prints it. A ``dashed_value``
+    flag takes values that start with ``-`` (other programs' arguments): see :func:`join_dashed_values`."""
+    return dataclasses.field(default=default, repr=not secret,
+                             metadata={"help": help, "choices": choices, "dashed_value": dashed_value})
+
+
+def join_dashed_values(argv: Sequence[str], flags: Iterable[str]) -> list[str]:
+    """``--flag VALUE`` -> ``--flag=VALUE`` for ``flags`` whose values may start with ``-``: argparse takes such a
+    value for an option of its own (``--extra-vllm-args "--no-enable-prefix-caching"`` would fail), so users
+    could only write the ``=`` form."""
+    wanted, out, i = set(flags), [], 0
+    argv = list(argv)
+    while i < len(argv):
+        if argv[i] in wanted and i + 1 < len(argv):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
 
 
 def _field_type(cls: type, f: dataclasses.Field[Any]) -> type:
@@ -91,6 +110,10 @@ class ServiceConfig:
     @classmethod
     def fields(cls) -> tuple[dataclasses.Field[Any], ...]:
         return dataclasses.fields(typing.cast(Any, cls))
+
+    @classmethod
+    def dashed_value_flags(cls) -> list[str]:
+        return [cls.flag_name(f.name) for f in cls.fields() if f.metadata.get("dashed_value")]
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,82 @@
+"""The connector's bookkeeping, pure: no vLLM, no I/O, time as an argument. The scheduler side
+(:mod:`.scheduler`) keeps these per request; unit tests drive them with fakes."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from kvloop.shared.protocol import PrefillReport, prefill_report, retainable_blocks
+
+
+@dataclass
+class RetainedRequest:
+    """A finished decode request whose full blocks stay allocated for a later turn."""
+
+    token_ids: list[int]
+    block_ids: list[int]
+    session_id: str
+
+
+def retain(token_ids: Sequence[int], block_ids: Sequence[int], num_computed_tokens: int, block_size: int,
+           session_id: str) -> RetainedRequest | None:
+    """What a finished request can retain: its full blocks (the last sampled token has no KV) with their
+    tokens; None when not one block is full."""
+    full = retainable_blocks(num_computed_tokens, block_size)
+    if full == 0:
+        return None
+    return RetainedRequest(token_ids=list(token_ids[: full * block_size]), block_ids=list(block_ids[:full]),
+                           session_id=session_id)
+
+
+@dataclass
+class PrefillBooks:
+    """One prefill request's account: local prefix hit, then at most one pull, then the computed tail."""
+
+    started: float
+    local_tokens: int
+    external_tokens: int = 0
+    pull_started: float = 0.0
+    pull_s: float = 0.0
+    pull_done: bool = False
+    pull_failed: bool = False
+
+    def pull_began(self, external_tokens: int, now: float) -> None:
+        self.external_tokens = external_tokens
+        self.pull_started = now
+
+    def pull_finished(self, failed: bool, now: float) -> None:
+        """The receive finished (once: vLLM may report a request again after a reset)."""
+        if self.pull_started and not self.pull_done:
+            self.pull_done = True
+            self.pull_failed = failed
+            self.pull_s = now - self.pull_started
+
+    def report(self, prompt_tokens: int, block_size: int, bytes_per_block: int) -> PrefillReport:
+        return prefill_report(prompt_tokens=prompt_tokens, local_tokens=self.local_tokens,
+                              external_tokens=self.external_tokens, pull_done=self.pull_done,
+                              pull_failed=self.pull_failed, pull_s=self.pull_s, block_size=block_size,
+                              bytes_per_block=bytes_per_block)
+
+    def compute_s(self, now: float) -> float:
+        """Time on the engine that was not the pull: queueing and the tail's compute."""
+        return max(0.0, now - self.started - self.pull_s)
+
+
+def split_lease_reads(notifs: Mapping[str, list[bytes]], prefix: bytes) -> tuple[dict[str, list[bytes]], int]:
+    """NIXL notifications without those of reads of retained blocks (named ``prefix`` + lease id), and how many
+    such reads there were. Upstream frees a request's blocks on its reader's notification; retained blocks are
+    freed only on the broker's word, so those notifications are counted and dropped."""
+    kept: dict[str, list[bytes]] = {}
+    reads = 0
+    for agent, messages in notifs.items():
+        rest = [m for m in messages if not m.startswith(prefix)]
+        reads += len(messages) - len(rest)
+        if rest:
+            kept[agent] = rest
+    return kept, reads
+
+
+def bytes_per_block(tensor_sizes: Sequence[int], num_blocks: int) -> int:
+    """KV bytes one block occupies across all layers' cache tensors (0 when unknown)."""
+    return sum(int(s) for s in tensor_sizes) // max(1, int(num_blocks)) if tensor_sizes else 0

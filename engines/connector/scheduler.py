@@ -1,0 +1,210 @@
+"""The connector's scheduler side (EngineCore process, busy-loop thread): keeps books only, never blocks.
+
+- **Decode retains and publishes.** A request that came from a prefill engine and finished normally (stop or
+  length) keeps its full blocks allocated; the link (:mod:`.link`) reports them to the engine's sidecar, which
+  publishes them to the broker as a lease. They are freed when the sidecar relays the broker's eviction or
+  expiry, or when the link's safety hold (``kvloop_hold_s``, renewed by the sidecar while the lease lives) runs
+  out.
+- **Prefill reports its pull.** The params a prefill returns carry a :class:`~kvloop.shared.protocol.PrefillReport`;
+  the sidecar gets the same figures for the broker's cost model. Which blocks to pull is upstream's logic:
+  only what the local prefix cache lacks, nothing under ``kv_recompute_threshold``.
+- **One pull, then recompute.** With ``kv_load_failure_policy=recompute``, vLLM 0.32 resets a request after a
+  failed, declined or timed-out pull and asks again; upstream then reports the remote tokens again but skips
+  the receive, and the request waits forever. A request whose remote blocks were processed gets ``(0, False)``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
+from vllm.logger import init_logger
+from vllm.v1.engine import EngineCoreRequestType
+from vllm.v1.request import RequestStatus
+
+from kvloop.engines.connector.books import PrefillBooks, RetainedRequest, bytes_per_block, retain
+from kvloop.engines.connector.patches import install_idle_fix
+from kvloop.shared.protocol import REPORT_KEY, RETAINED_KEY, SESSION_KEY, ConnectorSettings, PrefillReport
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from kvloop.engines.connector.link import EngineLinkClient
+
+WORKER_DEADLINE_S = 86400.0
+"""The deadline retained blocks get on the workers. The safety hold is kept by the link thread, which releases
+through the scheduler when it lapses; renewing it on the workers would take an engine step per renewal. A day
+bounds a leak if that thread died."""
+
+logger = init_logger("kvloop.connector")
+
+
+def find_engine_input_queue() -> Any:
+    """The EngineCoreProc's input queue, found from the constructor frames that are building us.
+
+    EngineCoreProc creates ``input_queue`` before it builds the scheduler (and so this connector), so one of the
+    frames above has ``self`` with it. None when not under an EngineCoreProc (an in-process LLM), where the busy
+    loop never blocks on it anyway."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        input_queue = getattr(candidate, "input_queue", None)
+        if input_queue is not None and hasattr(input_queue, "put_nowait"):
+            return input_queue
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+class KvloopConnectorScheduler(NixlPullConnectorScheduler):
+    def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+        settings = ConnectorSettings.from_extra(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        self.hold_s = settings.kvloop_hold_s
+        self.retain = bool(self.is_bidirectional_kv_xfer_enabled) and settings.kvloop_retain
+        self._retained: dict[str, RetainedRequest] = {}
+        self._prefills: dict[str, PrefillBooks] = {}
+        self._single_group = len(kv_cache_config.kv_cache_groups) == 1
+        tensors = getattr(kv_cache_config, "kv_cache_tensors", None) or []
+        self.bytes_per_block = bytes_per_block([t.size for t in tensors], kv_cache_config.num_blocks)
+        self._link: EngineLinkClient | None = None
+        socket_path = settings.kvloop_sidecar_socket or os.environ.get("KVLOOP_SIDECAR_SOCKET", "")
+        if socket_path:
+            self._start_link(socket_path, kv_cache_config)
+        if self.retain:
+            install_idle_fix()
+
+    def _start_link(self, socket_path: str, kv_cache_config: KVCacheConfig) -> None:
+        from kvloop.engines.connector.link import EngineLinkClient
+        from kvloop.v1 import engine_link_pb2 as lpb
+
+        input_queue = find_engine_input_queue()
+
+        def wake() -> None:
+            if input_queue is not None:
+                input_queue.put_nowait((EngineCoreRequestType.ABORT, []))  # a no-op that ends a blocking wait
+
+        hello = lpb.ConnectorHello(engine_id=self.engine_id, incarnation=uuid.uuid4().hex, block_size=self.block_size,
+                                   num_blocks=int(kv_cache_config.num_blocks), bytes_per_block=self.bytes_per_block,
+                                   kv_role_decode=self.retain)
+        self._link = EngineLinkClient(socket_path, hello, wake)
+        self._link.start(resend=self._retained_events)
+        logger.info("kvloop connector %s: engine link on %s, retain=%s, hold %.0fs", self.engine_id,
+                    socket_path, self.retain, self.hold_s)
+
+    def _retained_events(self) -> list[Any]:
+        # Called on the link thread after a reconnect; a snapshot, since the scheduler may change the dict.
+        return [self._retained_event(rid, r) for rid, r in list(self._retained.items())]
+
+    def _retained_event(self, request_id: str, r: RetainedRequest) -> Any:
+        from kvloop.v1 import engine_link_pb2 as lpb
+
+        return lpb.ConnectorEvent(retained=lpb.Retained(request_id=request_id, token_ids=r.token_ids,
+                                                        block_ids=r.block_ids, session_id=r.session_id,
+                                                        hold_s=self.hold_s))
+
+    def kvloop_quiet_requests(self) -> int:
+        """Finished requests that hold blocks only for a later turn and need no engine step now."""
+        if self._link is not None and self._link.pending():
+            return 0
+        return len(self._retained)
+
+    # Prefill side.
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_decode") and params.get("_remote_blocks_processed"):
+            # The one pull this request was allowed has happened (or failed): recompute locally.
+            return 0, False
+        result: tuple[int, bool] = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if params and params.get("do_remote_decode") and request.request_id not in self._prefills:
+            self._prefills[request.request_id] = PrefillBooks(started=time.perf_counter(),
+                                                              local_tokens=num_computed_tokens)
+        return result
+
+    def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
+        books = self._prefills.get(request.request_id)
+        params = request.kv_transfer_params or {}
+        if books is not None and num_external_tokens > 0 and not params.get("_remote_blocks_processed"):
+            books.pull_began(num_external_tokens, time.perf_counter())
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        super().update_connector_output(connector_output)
+        failed = connector_output.failed_recving or set()
+        now = time.perf_counter()
+        for rid in connector_output.finished_recving or ():
+            books = self._prefills.get(rid)
+            if books is not None:
+                books.pull_finished(rid in failed, now)
+
+    def _prefill_report(self, request: Request) -> PrefillReport | None:
+        books = self._prefills.pop(request.request_id, None)
+        if books is None:
+            return None
+        report = books.report(int(request.num_prompt_tokens), self.block_size, self.bytes_per_block)
+        if self._link is not None:
+            from kvloop.v1 import engine_link_pb2 as lpb
+
+            self._link.send(lpb.ConnectorEvent(prefill_done=lpb.PrefillDone(
+                request_id=request.request_id, computed_tokens=report.computed_tokens,
+                compute_s=books.compute_s(time.perf_counter()), pulled_blocks=report.pulled_blocks,
+                pulled_bytes=report.pulled_bytes, pull_s=books.pull_s, pull_failed=report.pull_failed)))
+        return report
+
+    # Decode side.
+
+    def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params
+        came_from_prefill = bool(params) and not params.get("do_remote_decode") and bool(
+            params.get("_remote_blocks_processed"))
+        report = self._prefill_report(request) if params and params.get("do_remote_decode") else None
+        delay_free, out = super().request_finished(request, block_ids)
+        if report is not None and out is not None:
+            out[REPORT_KEY] = report.to_params()
+        if not came_from_prefill or not delay_free or not self.retain:
+            return delay_free, out
+        rid = request.request_id
+        retainable = (request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+                      and self._single_group and self._link is not None)
+        retained = retain(request.all_token_ids, list(block_ids[0]), request.num_computed_tokens, self.block_size,
+                          str(params.get(SESSION_KEY) or "")) if retainable else None
+        if retained is None or self._link is None:
+            # Nothing kvloop can publish (no sidecar, hybrid layout, or under one block): free at the next step.
+            self._reqs_need_send[rid] = time.perf_counter()
+            return delay_free, out
+        self._retained[rid] = retained
+        self._reqs_need_send[rid] = time.perf_counter() + WORKER_DEADLINE_S
+        self._link.track(rid, time.monotonic() + self.hold_s)
+        if not self._link.send(self._retained_event(rid, retained)):
+            logger.warning("kvloop: engine link queue full; %s retained but not published", rid)
+        if out is not None:
+            out[RETAINED_KEY] = len(retained.block_ids)
+        return delay_free, out
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
+        if self._link is not None:
+            self._apply_commands(self._link)
+        return super().build_connector_meta(scheduler_output)
+
+    def _apply_commands(self, link: EngineLinkClient) -> None:
+        from kvloop.v1 import engine_link_pb2 as lpb
+
+        now = time.perf_counter()
+        for command in link.commands():
+            for rid in command.release:
+                if self._retained.pop(rid, None) is not None:
+                    self._reqs_need_send[rid] = now  # the workers free it at this step
+                    link.send(lpb.ConnectorEvent(freed=lpb.Freed(request_id=rid, why="released")))
+
+    def shutdown(self) -> None:
+        if self._link is not None:
+            self._link.stop()
+        super().shutdown()

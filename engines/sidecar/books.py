@@ -1,0 +1,100 @@
+"""The sidecar's bookkeeping, pure: which retained request holds which lease, which eviction commands are
+new, what the engine's load report says, and the throughput the broker's cost model learns. No I/O, no
+gRPC; the service (:mod:`.service`) calls these and turns their answers into broker calls and connector
+commands."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from kvloop.shared.protocol import BANDWIDTH_SAMPLE_MIN_BYTES
+
+PREFILL_SAMPLE_MIN_TOKENS = 256
+"""Prefills shorter than this teach no throughput: their time is mostly the engine step's fixed cost."""
+
+
+@dataclass
+class LeaseBooks:
+    """Retained request id <-> lease id for one engine incarnation, and the last eviction command applied."""
+
+    held: dict[str, str] = field(default_factory=dict)       # request id -> lease id
+    by_lease: dict[str, str] = field(default_factory=dict)   # lease id -> request id
+    last_seq: int = 0
+
+    def published(self, request_id: str, lease_id: str) -> None:
+        self.held[request_id] = lease_id
+        self.by_lease[lease_id] = request_id
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """The connector is told to free these: they hold no lease any more."""
+        for rid in request_ids:
+            lease = self.held.pop(rid, None)
+            if lease is not None:
+                self.by_lease.pop(lease, None)
+
+    def not_live(self, live_lease_ids: Iterable[str]) -> list[str]:
+        """Requests whose lease the broker no longer lists (after a re-registration or a RESYNC command)."""
+        live = set(live_lease_ids)
+        return [rid for rid, lease in self.held.items() if lease not in live]
+
+    def is_new(self, seq: int) -> bool:
+        """Whether an eviction command is new (commands come on the stream and with PublishLease replies);
+        records its sequence number when it is."""
+        if seq and seq <= self.last_seq:
+            return False
+        self.last_seq = max(self.last_seq, seq)
+        return True
+
+    def holder_of(self, lease_id: str) -> str | None:
+        return self.by_lease.get(lease_id)
+
+    def freed_by_engine(self, request_id: str) -> str | None:
+        """The engine freed a request on its own (its safety hold ran out): the lease to release at the broker,
+        or None when the sidecar had asked for it."""
+        lease = self.held.pop(request_id, None)
+        if lease is not None:
+            self.by_lease.pop(lease, None)
+        return lease
+
+    def clear(self) -> None:
+        self.held.clear()
+        self.by_lease.clear()
+
+
+def ewma(old: float, new: float, weight: float = 0.3) -> float:
+    return new if old <= 0 else (1 - weight) * old + weight * new
+
+
+@dataclass
+class Throughput:
+    """Moving averages of what the connector measured, reported to the broker's cost model."""
+
+    prefill_tokens_per_s: float = 0.0
+    transfer_bytes_per_s: float = 0.0
+
+    def prefill_done(self, computed_tokens: int, compute_s: float, pulled_bytes: int, pull_s: float,
+                     pull_failed: bool) -> None:
+        if computed_tokens >= PREFILL_SAMPLE_MIN_TOKENS and compute_s > 0:
+            self.prefill_tokens_per_s = ewma(self.prefill_tokens_per_s, computed_tokens / compute_s)
+        if pulled_bytes >= BANDWIDTH_SAMPLE_MIN_BYTES and pull_s > 0 and not pull_failed:
+            self.transfer_bytes_per_s = ewma(self.transfer_bytes_per_s, pulled_bytes / pull_s)
+
+
+@dataclass(frozen=True)
+class Load:
+    running_requests: int
+    waiting_requests: int
+    kv_usage: float
+    memory_pressure: bool
+    pressure_free_blocks: int
+
+
+def engine_load(figures: Mapping[str, float], num_blocks: int, pressure_kv_usage: float) -> Load:
+    """The load report from the engine's scraped figures: memory pressure when KV usage passes the threshold
+    with requests waiting, asking the broker to free the excess (plus 5% of the blocks, at least one)."""
+    running, waiting = int(figures.get("running", 0)), int(figures.get("waiting", 0))
+    usage = min(1.0, max(0.0, figures.get("kv_usage", 0.0)))
+    pressure = usage >= pressure_kv_usage and waiting > 0 and num_blocks > 0
+    free = max(1, int(num_blocks * (usage - pressure_kv_usage + 0.05))) if pressure else 0
+    return Load(running, waiting, usage, pressure, free)

@@ -1,0 +1,68 @@
+"""The sidecar's one typed config: flags, ``KVLOOP_SIDECAR_*`` env twins, YAML; validated at start."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvloop.shared.config import ServiceConfig, parse_host_port, setting
+from kvloop.shared.protocol import DEFAULT_HOLD_S
+from kvloop.shared.telemetry import LOG_FORMATS, LOG_LEVELS
+from kvloop.shared.tls import check_files
+
+ROLES = ("prefill", "decode", "both")
+
+
+@dataclass(frozen=True)
+class SidecarConfig(ServiceConfig):
+    ENV_PREFIX = "KVLOOP_SIDECAR_"
+
+    engine_id: str = setting("", "the engine's NIXL engine id (required)")
+    role: str = setting("both", "the engine's P/D role", choices=ROLES)
+    broker: str = setting("", "broker address(es) host:port, comma-separated (required)")
+    socket: Path | None = setting(None, "Unix socket the connector attaches to (required)")
+    listen: str = setting("127.0.0.1:0", "gRPC health and reflection address, host:port (0 = a free port)")
+    advertise: str = setting("", "gRPC address other services reach this sidecar at (default: listen)")
+    metrics_listen: str = setting("127.0.0.1:0", "Prometheus metrics address host:port; empty = off")
+    engine_url: str = setting("", "the engine's OpenAI server base URL, e.g. http://127.0.0.1:8000 (required)")
+    nixl_address: str = setting("", "the engine's NIXL side channel host:port, advertised to readers")
+    layout_fingerprint: str = setting("", "layout fingerprint (kvloop model fingerprint; required)")
+    retention_fraction: float = setting(0.5, "share of the engine's KV blocks the broker may keep retained")
+    lease_ttl_s: float = setting(0.0, "TTL asked for each published lease; 0 = the broker's default")
+    hold_s: float = setting(DEFAULT_HOLD_S, "safety hold renewed on the engine for live leases; must exceed the "
+                                   "broker's engine TTL so the broker drops a silent engine's leases first")
+    pressure_kv_usage: float = setting(0.9, "KV usage (0..1) at which, with requests waiting, the sidecar "
+                                            "reports memory pressure")
+    port_file: Path | None = setting(None, "write the bound gRPC port here once serving (for launchers)")
+    log_format: str = setting("auto", "log format: json, console, or auto", choices=LOG_FORMATS)
+    log_level: str = setting("info", "log level", choices=LOG_LEVELS)
+    tls_cert: Path | None = setting(None, "PEM certificate (chain) of the gRPC port (listen); with tls_key: TLS on "
+                                          "(the connector's Unix socket stays plaintext, private to the pod)")
+    tls_key: Path | None = setting(None, "PEM private key of tls_cert (unencrypted)")
+    tls_ca: Path | None = setting(None, "PEM CA bundle: gRPC clients of listen must present a certificate it signed")
+    broker_tls_ca: Path | None = setting(None, "PEM CA that signed the broker's certificate: TLS to the broker")
+    broker_tls_cert: Path | None = setting(None, "PEM certificate presented to the broker; with its mTLS, its CN or "
+                                                 "a SAN must name engine_id (the broker's engine_identity)")
+    broker_tls_key: Path | None = setting(None, "PEM private key of broker_tls_cert")
+    broker_tls_server_name: str = setting("", "name the broker's certificate must carry, when not the dialled host")
+
+    def validate(self) -> None:
+        for name in ("engine_id", "broker", "engine_url", "layout_fingerprint"):
+            self._require(bool(getattr(self, name)), name, "is required")
+        self._require(self.socket is not None and len(str(self.socket)) < 100, "socket",
+                      "is required and must be shorter than 100 characters (Unix socket path limit)")
+        for address in self.broker.split(","):
+            if address.strip():
+                parse_host_port(address.strip(), "broker")
+        parse_host_port(self.listen, "listen")
+        if self.metrics_listen:
+            parse_host_port(self.metrics_listen, "metrics_listen")
+        if self.nixl_address:
+            parse_host_port(self.nixl_address, "nixl_address")
+        self._require(self.engine_url.startswith(("http://", "https://")), "engine_url", "must be an http(s) URL")
+        self._require(0 < self.retention_fraction <= 1, "retention_fraction", "must be in (0, 1]")
+        self._require(self.lease_ttl_s >= 0, "lease_ttl_s", "must be >= 0")
+        self._require(self.hold_s > 0, "hold_s", "must be positive")
+        self._require(0 < self.pressure_kv_usage <= 1, "pressure_kv_usage", "must be in (0, 1]")
+        check_files(self, "tls_", server=True)
+        check_files(self, "broker_tls_", server=False)

@@ -1,0 +1,35 @@
+"""The sidecar's Prometheus metrics (its own registry), and what it reads of the engine's."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from kvloop.shared.http import metric_total, read_metrics
+
+ENGINE_FIGURES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
+                  "vllm:kv_cache_usage_perc": "kv_usage"}
+
+
+class SidecarMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.leases = Gauge("kvloop_sidecar_leases", "Leases this engine holds at the broker", registry=r)
+        self.published = Counter("kvloop_sidecar_published_total", "Leases published", registry=r)
+        self.released = Counter("kvloop_sidecar_released_total", "Retained requests released, by reason",
+                                ["reason"], registry=r)
+        self.broker_errors = Counter("kvloop_sidecar_broker_errors_total", "Failed broker calls, by method",
+                                     ["method"], registry=r)
+        self.connected = Gauge("kvloop_sidecar_connector_attached", "1 while the connector is attached", registry=r)
+        self.registered = Gauge("kvloop_sidecar_registered", "1 while registered with a broker", registry=r)
+        self.prefill_tps = Gauge("kvloop_sidecar_prefill_tokens_per_second", "Measured prefill throughput",
+                                 registry=r)
+        self.transfer_bps = Gauge("kvloop_sidecar_transfer_bytes_per_second", "Measured NIXL pull bandwidth",
+                                  registry=r)
+
+
+def scrape_engine_load(engine_url: str, timeout_s: float = 2.0) -> dict[str, float]:
+    """Running and waiting requests and KV usage from vLLM's ``/metrics`` (blocking: run in a thread)."""
+    samples = read_metrics(engine_url, timeout_s=timeout_s)
+    return {short: metric_total(samples, name) for name, short in ENGINE_FIGURES.items()
+            if any(k == name or k.startswith(name + "{") for k in samples)}

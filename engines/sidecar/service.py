@@ -1,0 +1,350 @@
+"""The sidecar's service: the connector's stream in, broker calls out. A thin shell around :mod:`.books`."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import structlog
+from opentelemetry import trace
+
+from kvloop.engines.sidecar.books import LeaseBooks, Throughput, engine_load
+from kvloop.engines.sidecar.config import SidecarConfig
+from kvloop.engines.sidecar.metrics import SidecarMetrics, scrape_engine_load
+from kvloop.shared.client import BrokerClient
+from kvloop.shared.grpc_server import start_grpc_server
+from kvloop.shared.hashing import ExtraKeys, block_keys
+from kvloop.shared.serving import wait_for_stop, write_port_file
+from kvloop.shared.tls import TlsFiles
+from kvloop.v1 import broker_pb2 as pb
+from kvloop.v1 import engine_link_pb2 as lpb
+from kvloop.v1 import engine_link_pb2_grpc
+
+log = structlog.get_logger("kvloop.sidecar")
+tracer = trace.get_tracer("kvloop.sidecar")
+LINK_SERVICE = lpb.DESCRIPTOR.services_by_name["EngineLink"].full_name
+ROLES = {"prefill": pb.ENGINE_ROLE_PREFILL, "decode": pb.ENGINE_ROLE_DECODE, "both": pb.ENGINE_ROLE_BOTH}
+
+
+class Sidecar(engine_link_pb2_grpc.EngineLinkServicer):
+    def __init__(self, config: SidecarConfig, metrics: SidecarMetrics | None = None) -> None:
+        self.config = config
+        self.metrics = metrics or SidecarMetrics()
+        self.broker = BrokerClient(config.broker, timeout_s=5.0, tls=TlsFiles.of(config, "broker_tls_"))
+        self.extra = ExtraKeys(config.layout_fingerprint)
+        self.hello: lpb.ConnectorHello | None = None
+        self.registered = asyncio.Event()
+        self.registration_changed = asyncio.Event()
+        self.keepalive_interval_s = 2.0
+        self.books = LeaseBooks()
+        self.throughput = Throughput()
+        self.engine_figures: dict[str, float] = {}
+        self._outbox: asyncio.Queue[lpb.ConnectorCommand] | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._engine_tasks: list[asyncio.Task[Any]] = []
+        self.grpc_address = config.advertise or config.listen
+
+    # The connector's stream.
+
+    async def Attach(self, request_iterator: AsyncIterator[lpb.ConnectorEvent], context: Any
+                     ) -> AsyncIterator[lpb.ConnectorCommand]:
+        outbox: asyncio.Queue[lpb.ConnectorCommand] = asyncio.Queue()
+        self._outbox = outbox
+        reader = asyncio.create_task(self._read_events(request_iterator))
+        self.metrics.connected.set(1)
+        try:
+            yield lpb.ConnectorCommand()  # an empty first command: tells the connector it is attached
+            while not reader.done() or not outbox.empty():
+                get = asyncio.create_task(outbox.get())
+                done, _ = await asyncio.wait({get, reader}, return_when=asyncio.FIRST_COMPLETED)
+                if get in done:
+                    yield get.result()
+                else:
+                    get.cancel()
+        finally:
+            reader.cancel()
+            self.metrics.connected.set(0)
+            if self._outbox is outbox:
+                self._outbox = None
+                # The EngineCore is gone (or restarting): its blocks went with it. Deregistering drops the
+                # engine's leases at once, so no reader is sent to them; the next hello registers anew.
+                log.info("connector.detached", engine=self.config.engine_id, dropped_leases=len(self.books.held))
+                self._spawn(self._deregister())
+
+    async def _read_events(self, events: AsyncIterator[lpb.ConnectorEvent]) -> None:
+        async for event in events:
+            kind = event.WhichOneof("event")
+            if kind == "hello":
+                await self._on_hello(event.hello)
+            elif kind == "retained":
+                self._spawn(self._publish(event.retained))
+            elif kind == "freed":
+                self._on_freed(event.freed)
+            elif kind == "prefill_done":
+                self._on_prefill_done(event.prefill_done)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
+
+    def _command(self, command: lpb.ConnectorCommand) -> None:
+        if self._outbox is not None:
+            self._outbox.put_nowait(command)
+
+    def _release(self, request_ids: list[str], reason: str) -> None:
+        self.books.forget(request_ids)
+        for _ in request_ids:
+            self.metrics.released.labels(reason).inc()
+        self.metrics.leases.set(len(self.books.held))
+        if request_ids:
+            self._command(lpb.ConnectorCommand(release_request_ids=request_ids))
+
+    async def _on_hello(self, hello: lpb.ConnectorHello) -> None:
+        restarted = self.hello is not None and self.hello.incarnation != hello.incarnation
+        self.hello = hello
+        log.info("connector.attached", engine=hello.engine_id, blocks=hello.num_blocks, block_size=hello.block_size,
+                 bytes_per_block=hello.bytes_per_block, restarted=restarted)
+        if hello.engine_id != self.config.engine_id:
+            log.warning("connector.engine_id_mismatch", expected=self.config.engine_id, got=hello.engine_id)
+        if restarted or not self.registered.is_set():
+            self.books.clear()
+            self._set_registered(False)
+            for task in self._engine_tasks:
+                task.cancel()
+            self._engine_tasks = [asyncio.create_task(self._register_forever())]
+
+    def _set_registered(self, registered: bool) -> None:
+        if registered:
+            self.registered.set()
+        else:
+            self.registered.clear()
+        self.metrics.registered.set(int(registered))
+        self.registration_changed.set()
+
+    def engine_pb(self) -> pb.Engine:
+        assert self.hello is not None
+        budget = int(self.hello.num_blocks * self.config.retention_fraction)
+        return pb.Engine(engine_id=self.config.engine_id, role=ROLES[self.config.role],
+                         addresses=pb.EngineAddresses(grpc=self.grpc_address, http=self.config.engine_url,
+                                                      nixl=self.config.nixl_address),
+                         block_size=self.hello.block_size, layout_fingerprint=self.config.layout_fingerprint,
+                         retention_budget_blocks=budget if self.hello.kv_role_decode else 0,
+                         incarnation=self.hello.incarnation)
+
+    async def _register_forever(self) -> None:
+        """Register (retrying with back-off), then keep alive and follow evictions until cancelled."""
+        delay = 0.1
+        while True:
+            try:
+                reply = await self.broker.call("RegisterEngine", pb.RegisterEngineRequest(engine=self.engine_pb()))
+            except grpc.aio.AioRpcError as exc:
+                self.metrics.broker_errors.labels("RegisterEngine").inc()
+                log.warning("broker.register_failed", code=exc.code().name, details=exc.details(), retry_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+                continue
+            self.keepalive_interval_s = max(0.2, reply.keepalive_interval_s or 2.0)
+            self.books.last_seq = reply.last_eviction_seq
+            self._release(self.books.not_live(reply.live_lease_ids), "resync")
+            self._set_registered(True)
+            log.info("broker.registered", engine=self.config.engine_id, keepalive_s=self.keepalive_interval_s,
+                     engine_ttl_s=reply.engine_ttl_s, hold_s=self.config.hold_s)
+            if reply.engine_ttl_s and self.config.hold_s <= reply.engine_ttl_s:
+                log.warning("sidecar.hold_below_engine_ttl", hold_s=self.config.hold_s, engine_ttl_s=reply.engine_ttl_s)
+            watcher = asyncio.create_task(self._watch_evictions())
+            try:
+                await self._keepalive_loop()
+            finally:
+                watcher.cancel()
+                self._set_registered(False)
+            delay = 0.1
+
+    async def _keepalive_loop(self) -> None:
+        """Returns when the broker no longer knows the engine (re-register) or stays unreachable too long.
+
+        The engine's figures come from a separate sampler: a slow ``/metrics`` (seen here taking minutes on a
+        loaded machine) must never delay a keep-alive, or the broker drops a healthy engine."""
+        sampler = asyncio.create_task(self._sample_load_forever())
+        try:
+            await self._keepalives()
+        finally:
+            sampler.cancel()
+
+    async def _sample_load_forever(self) -> None:
+        while True:
+            try:
+                self.engine_figures = await asyncio.wait_for(
+                    asyncio.to_thread(scrape_engine_load, self.config.engine_url), timeout=5.0)
+            except (OSError, ValueError, TimeoutError) as exc:
+                log.debug("engine.metrics_unavailable", error=str(exc))
+            await asyncio.sleep(self.keepalive_interval_s)
+
+    async def _keepalives(self) -> None:
+        failures = 0
+        while True:
+            load = self._load()
+            try:
+                await self.broker.call("KeepAlive", pb.KeepAliveRequest(engine_id=self.config.engine_id, load=load))
+                failures = 0
+            except grpc.aio.AioRpcError as exc:
+                self.metrics.broker_errors.labels("KeepAlive").inc()
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    log.warning("broker.forgot_engine", engine=self.config.engine_id)
+                    return
+                failures += 1
+                log.warning("broker.keepalive_failed", code=exc.code().name, failures=failures)
+                if failures >= 5:
+                    return
+            if failures == 0 and self.books.held:
+                self._command(lpb.ConnectorCommand(hold_request_ids=list(self.books.held), hold_s=self.config.hold_s))
+            await asyncio.sleep(self.keepalive_interval_s)
+
+    def _load(self) -> pb.EngineLoad:
+        load = engine_load(self.engine_figures, self.hello.num_blocks if self.hello else 0,
+                           self.config.pressure_kv_usage)
+        return pb.EngineLoad(prefill_tokens_per_s=self.throughput.prefill_tokens_per_s,
+                             transfer_bytes_per_s=self.throughput.transfer_bytes_per_s,
+                             bytes_per_block=self.hello.bytes_per_block if self.hello else 0,
+                             running_requests=load.running_requests, waiting_requests=load.waiting_requests,
+                             kv_usage=load.kv_usage, memory_pressure=load.memory_pressure,
+                             pressure_free_blocks=load.pressure_free_blocks)
+
+    async def _watch_evictions(self) -> None:
+        while True:
+            try:
+                call = self.broker.stub.WatchEvictions(
+                    pb.WatchEvictionsRequest(engine_id=self.config.engine_id, after_seq=self.books.last_seq))
+                async for command in call:
+                    self._apply_eviction(command)
+            except grpc.aio.AioRpcError as exc:
+                self.metrics.broker_errors.labels("WatchEvictions").inc()
+                log.info("broker.eviction_stream_broke", code=exc.code().name)
+            await asyncio.sleep(0.2)
+
+    def _apply_eviction(self, command: pb.EvictionCommand) -> None:
+        if not self.books.is_new(command.seq):
+            return  # already applied (commands are also returned by PublishLease)
+        reason = pb.EvictionReason.Name(command.reason).removeprefix("EVICTION_REASON_").lower()
+        if command.reason == pb.EVICTION_REASON_RESYNC:
+            self._release(self.books.not_live(command.live_lease_ids), "resync")
+            return
+        rid = self.books.holder_of(command.lease_id)
+        if rid is not None:
+            log.info("lease.evicted", lease=command.lease_id, request=rid, reason=reason, blocks=len(command.block_ids))
+            self._release([rid], reason)
+
+    async def _publish(self, retained: lpb.Retained) -> None:
+        assert self.hello is not None
+        try:
+            await asyncio.wait_for(self.registered.wait(), timeout=10.0)
+        except TimeoutError:
+            log.warning("lease.not_published", request=retained.request_id, why="not registered with a broker")
+            self._release([retained.request_id], "unpublished")
+            return
+        keys = block_keys(list(retained.token_ids), self.hello.block_size, self.extra)
+        request = pb.PublishLeaseRequest(engine_id=self.config.engine_id, session_id=retained.session_id,
+                                         block_keys=keys, block_ids=list(retained.block_ids)[: len(keys)],
+                                         num_tokens=len(keys) * self.hello.block_size, ttl_s=self.config.lease_ttl_s)
+        with tracer.start_as_current_span("kvloop.sidecar.publish") as span:
+            span.set_attribute("kvloop.blocks", len(keys))
+            try:
+                reply = await self.broker.call("PublishLease", request)
+            except grpc.aio.AioRpcError as exc:
+                self.metrics.broker_errors.labels("PublishLease").inc()
+                log.warning("lease.publish_failed", request=retained.request_id, code=exc.code().name,
+                            details=exc.details())
+                self._release([retained.request_id], "unpublished")
+                return
+        self.books.published(retained.request_id, reply.lease.lease_id)
+        self.metrics.published.inc()
+        self.metrics.leases.set(len(self.books.held))
+        log.info("lease.published", lease=reply.lease.lease_id, request=retained.request_id, blocks=len(keys),
+                 session=retained.session_id or None, ttl_s=round(reply.lease.ttl_s, 1))
+        for command in reply.evictions:
+            self._apply_eviction(command)
+
+    def _on_freed(self, freed: lpb.Freed) -> None:
+        lease = self.books.freed_by_engine(freed.request_id)
+        if lease is None:
+            return  # we asked for it
+        # The engine freed blocks on its own (its safety hold ran out): the broker must stop offering them.
+        self.metrics.leases.set(len(self.books.held))
+        self.metrics.released.labels("hold_expired").inc()
+        self._spawn(self._release_at_broker(lease))
+
+    async def _release_at_broker(self, lease_id: str) -> None:
+        try:
+            await self.broker.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=lease_id))
+        except grpc.aio.AioRpcError as exc:
+            self.metrics.broker_errors.labels("ReleaseLease").inc()
+            log.info("lease.release_failed", lease=lease_id, code=exc.code().name)
+
+    def _on_prefill_done(self, done: lpb.PrefillDone) -> None:
+        self.throughput.prefill_done(done.computed_tokens, done.compute_s, done.pulled_bytes, done.pull_s,
+                                     done.pull_failed)
+        self.metrics.prefill_tps.set(self.throughput.prefill_tokens_per_s)
+        self.metrics.transfer_bps.set(self.throughput.transfer_bytes_per_s)
+
+    async def _deregister(self) -> None:
+        for task in self._engine_tasks:
+            task.cancel()
+        self._engine_tasks = []
+        was_registered = self.registered.is_set()
+        self._set_registered(False)
+        self.books.clear()
+        self.metrics.leases.set(0)
+        self.hello = None
+        if was_registered:
+            try:
+                await self.broker.call("DeregisterEngine", pb.DeregisterEngineRequest(engine_id=self.config.engine_id),
+                                       timeout_s=2.0)
+            except grpc.aio.AioRpcError as exc:
+                self.metrics.broker_errors.labels("DeregisterEngine").inc()
+                log.info("broker.deregister_failed", code=exc.code().name)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await self._deregister()
+        await self.broker.close()
+
+
+
+async def serve(config: SidecarConfig, stop: asyncio.Event | None = None) -> None:
+    sidecar = Sidecar(config)
+    assert config.socket is not None
+    tls = TlsFiles.of(config, "tls_")
+
+    def add_servicers(server: grpc.aio.Server, bound: int) -> None:
+        engine_link_pb2_grpc.add_EngineLinkServicer_to_server(sidecar, server)
+        if not config.advertise:
+            sidecar.grpc_address = f"{config.listen.rpartition(':')[0]}:{bound}"
+
+    shell = await start_grpc_server(listen=config.listen, services=[LINK_SERVICE], add_servicers=add_servicers,
+                                    tls=tls, registry=sidecar.metrics.registry, metrics_listen=config.metrics_listen,
+                                    unix_socket=config.socket)
+
+    async def follow_registration() -> None:
+        while True:
+            await sidecar.registration_changed.wait()
+            sidecar.registration_changed.clear()
+            await shell.set_serving(LINK_SERVICE, sidecar.registered.is_set())
+
+    follower = asyncio.create_task(follow_registration())
+    log.info("sidecar.listening", engine=config.engine_id, grpc=sidecar.grpc_address, socket=str(config.socket),
+             metrics_port=shell.metrics_port or None,
+             tls="mutual" if tls.mutual else "server" if tls.enabled else "off",
+             broker_tls=TlsFiles.of(config, "broker_tls_").enabled)
+    if config.port_file is not None:
+        write_port_file(config.port_file, shell.port)
+    try:
+        await wait_for_stop(stop)
+    finally:
+        log.info("sidecar.stopping", engine=config.engine_id)
+        follower.cancel()
+        await shell.health.enter_graceful_shutdown()
+        await sidecar.close()
+        await shell.stop(1.0)

@@ -1,0 +1,76 @@
+"""Reading what engines and routers send over HTTP: server-sent events of streamed completions, and the
+Prometheus text of ``/metrics``. One reader of each, for the services, the demo, the benchmarks and the tests."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
+from typing import Any
+
+
+def sse_data(line: bytes | str) -> dict[str, Any] | None:
+    """The JSON object of one ``data: {...}`` line of an event stream; None for anything else (comments, blank
+    lines, ``data: [DONE]``)."""
+    text = (line.decode() if isinstance(line, bytes) else line).strip()
+    if not text.startswith("data:"):
+        return None
+    payload = text[5:].strip()
+    if not payload.startswith("{"):
+        return None
+    event: dict[str, Any] = json.loads(payload)
+    return event
+
+
+def iter_sse(lines: Iterable[bytes | str]) -> Iterator[dict[str, Any]]:
+    """Every JSON event of a stream read line by line (``urllib``'s reply, a list of lines)."""
+    for line in lines:
+        event = sse_data(line)
+        if event is not None:
+            yield event
+
+
+async def aiter_sse(lines: AsyncIterable[bytes]) -> AsyncIterator[dict[str, Any]]:
+    """Every JSON event of a stream read line by line (``aiohttp``'s ``reply.content``)."""
+    async for line in lines:
+        event = sse_data(line)
+        if event is not None:
+            yield event
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text format -> ``{'name{labels}': value}``, samples only."""
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            samples[key] = float(value)
+    return samples
+
+
+def metric_total(samples: dict[str, float], name: str) -> float:
+    """The sum of ``name`` over all its label sets."""
+    return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
+
+
+def metric_by_label(samples: dict[str, float], name: str, label: str) -> dict[str, float]:
+    """``name`` summed per value of ``label``."""
+    out: dict[str, float] = {}
+    for key, value in samples.items():
+        if key.startswith(name + "{") and f'{label}="' in key:
+            which = key.split(f'{label}="', 1)[1].split('"', 1)[0]
+            out[which] = out.get(which, 0.0) + value
+    return out
+
+
+def read_metrics(base_url: str, timeout_s: float = 30.0, attempts: int = 1) -> dict[str, float]:
+    """``GET base_url/metrics``, parsed (blocking: run it in a thread from async code). A time-out is retried on
+    a new connection ``attempts - 1`` times."""
+    for attempt in range(attempts):
+        try:
+            with urllib.request.urlopen(f"{base_url.rstrip('/')}/metrics", timeout=timeout_s) as reply:
+                return parse_metrics(reply.read().decode())
+        except TimeoutError:
+            if attempt == attempts - 1:
+                raise
+    raise ValueError("attempts must be at least 1")

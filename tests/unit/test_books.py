@@ -1,0 +1,116 @@
+"""The pure pieces behind the engines: the engine protocol's arithmetic, the connector's books (with fakes for
+what vLLM hands it), the sidecar's lease books and load report, and flags whose values start with a dash."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from kvloop.engines.config import EngineConfig
+from kvloop.engines.connector.books import PrefillBooks, bytes_per_block, retain, split_lease_reads
+from kvloop.engines.sidecar.books import LeaseBooks, Throughput, engine_load
+from kvloop.shared.config import join_dashed_values
+from kvloop.shared.protocol import (
+    BANDWIDTH_SAMPLE_MIN_BYTES,
+    LEASE_READ_PREFIX,
+    REPORT_KEY,
+    ConnectorSettings,
+    PrefillReport,
+    pull_params,
+)
+
+
+def test_a_finished_pull_counts_a_failed_or_unfinished_one_does_not() -> None:
+    books = PrefillBooks(started=10.0, local_tokens=256)
+    books.pull_began(external_tokens=512, now=10.5)
+    books.pull_finished(failed=False, now=10.75)
+    books.pull_finished(failed=True, now=11.0)  # reported again after a reset: the first word stands
+    report = books.report(prompt_tokens=1000, block_size=128, bytes_per_block=1000)
+    assert report == PrefillReport(local_tokens=256, pulled_tokens=512, pulled_blocks=4, pulled_bytes=4000,
+                                   pull_ms=250.0, pull_failed=False, computed_tokens=232)
+    assert books.compute_s(now=12.0) == pytest.approx(1.75)
+    failed = PrefillBooks(started=0.0, local_tokens=0)
+    failed.pull_began(384, now=0.1)
+    failed.pull_finished(failed=True, now=0.2)
+    assert failed.report(1000, 128, 1000).pulled_tokens == 0 and failed.report(1000, 128, 1000).computed_tokens == 1000
+    never = PrefillBooks(started=0.0, local_tokens=0)
+    never.pull_began(384, now=0.1)  # a pull that never finished counts as failed
+    assert never.report(1000, 128, 1000).pull_failed
+    assert PrefillBooks(started=0.0, local_tokens=128).report(100, 128, 1).computed_tokens == 0  # never negative
+
+
+def test_a_decode_request_retains_only_its_full_blocks() -> None:
+    kept = retain(list(range(300)), [7, 8, 9], num_computed_tokens=299, block_size=128, session_id="s")
+    assert kept is not None and kept.block_ids == [7, 8] and kept.token_ids == list(range(256))
+    assert retain(list(range(100)), [7], num_computed_tokens=99, block_size=128, session_id="") is None
+    assert bytes_per_block([1000, 3000], 4) == 1000 and bytes_per_block([], 4) == 0
+
+
+def test_reads_of_retained_blocks_are_counted_and_dropped() -> None:
+    prefix = LEASE_READ_PREFIX.encode()
+    kept, reads = split_lease_reads({"a": [prefix + b"L1", b"req-1"], "b": [prefix + b"L2"]}, prefix)
+    assert kept == {"a": [b"req-1"]} and reads == 2
+
+
+def test_the_report_travels_in_params_and_teaches_bandwidth_only_from_big_pulls() -> None:
+    report = PrefillReport(local_tokens=1, pulled_tokens=2, pulled_bytes=BANDWIDTH_SAMPLE_MIN_BYTES, pull_ms=8.0)
+    params = {"do_remote_decode": False, REPORT_KEY: report.to_params()}
+    assert PrefillReport.pop_from(params) == report and REPORT_KEY not in params
+    assert PrefillReport.pop_from({}) is None
+    assert report.bandwidth_sample() == (BANDWIDTH_SAMPLE_MIN_BYTES, pytest.approx(0.008))
+    assert PrefillReport(pulled_bytes=10, pull_ms=5.0).bandwidth_sample() == (10, 0.0)
+    assert report.reused_tokens == 3
+
+
+def test_pull_params_name_the_lease_and_cut_the_blocks() -> None:
+    params = pull_params(source_engine_id="dec", lease_id="L", nixl_address="[::1]:5600", block_ids=[1, 2, 3],
+                         matched_blocks=2, matched_tokens=256)
+    assert params["remote_block_ids"] == [[1, 2]] and params["remote_host"] == "[::1]"
+    assert params["remote_port"] == 5600 and params["remote_request_id"] == LEASE_READ_PREFIX + "L"
+
+
+def test_connector_settings_have_one_set_of_defaults() -> None:
+    assert ConnectorSettings.from_extra(None) == ConnectorSettings()
+    assert ConnectorSettings.from_extra({"kvloop_hold_s": "30", "other": 1}).kvloop_hold_s == 30.0
+    assert ConnectorSettings(kvloop_hold_s=30.0).to_extra() == {"kvloop_hold_s": 30.0}
+    config = EngineConfig(model="m", connector="kvloop").kv_transfer_config("e", None)  # type: ignore[arg-type]
+    extra = config["kv_connector_extra_config"]
+    assert ConnectorSettings.from_extra(extra).kvloop_hold_s == EngineConfig().hold_s
+    assert EngineConfig().hold_s == ConnectorSettings().kvloop_hold_s
+
+
+def test_lease_books_resync_evict_and_engine_frees() -> None:
+    books = LeaseBooks()
+    books.published("r1", "L1")
+    books.published("r2", "L2")
+    assert books.not_live(["L2"]) == ["r1"]
+    assert books.is_new(5) and not books.is_new(5) and not books.is_new(3) and books.is_new(0)
+    assert books.holder_of("L2") == "r2"
+    assert books.freed_by_engine("r2") == "L2" and books.holder_of("L2") is None
+    assert books.freed_by_engine("r2") is None  # the sidecar had asked for it
+    books.forget(["r1"])
+    assert books.held == {} and books.by_lease == {}
+
+
+def test_load_report_and_throughput() -> None:
+    calm = engine_load({"running": 2, "waiting": 0, "kv_usage": 0.95}, num_blocks=100, pressure_kv_usage=0.9)
+    assert not calm.memory_pressure and calm.pressure_free_blocks == 0
+    tight = engine_load({"running": 2, "waiting": 1, "kv_usage": 0.875}, num_blocks=100, pressure_kv_usage=0.75)
+    assert tight.memory_pressure and tight.pressure_free_blocks == 17  # the excess and 5% more
+    rates = Throughput()
+    rates.prefill_done(100, 1.0, 0, 0.0, False)  # too short to teach anything
+    assert rates.prefill_tokens_per_s == 0.0
+    rates.prefill_done(1000, 0.5, BANDWIDTH_SAMPLE_MIN_BYTES, 0.01, False)
+    assert rates.prefill_tokens_per_s == 2000.0 and rates.transfer_bytes_per_s == BANDWIDTH_SAMPLE_MIN_BYTES / 0.01
+
+
+def test_dashed_values_pass_through_in_the_form_users_type_them() -> None:
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_arguments(parser)
+    argv = ["--role", "prefill", "--extra-vllm-args", "--no-enable-prefix-caching", "--model", "m"]
+    with pytest.raises(SystemExit):
+        parser.parse_args(argv)  # what argparse alone does
+    args = parser.parse_args(join_dashed_values(argv, EngineConfig.dashed_value_flags()))
+    assert args.extra_vllm_args == "--no-enable-prefix-caching" and args.model == "m"
+    assert EngineConfig(extra_vllm_args=args.extra_vllm_args).extra_args() == ["--no-enable-prefix-caching"]
