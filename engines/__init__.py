@@ -1,2 +1,2 @@
-"""Engine sidecars and the vLLM KV connector (issue: engines). Not built yet: the broker's protocol
-in ``protos/kvloop/v1`` is what they will speak."""
+"""The engines: the vLLM launcher (``kvloop engine``), kvloop's KV connector (:mod:`.connector`), the engine
+sidecar (:mod:`.sidecar`), the tiny local model and the layout fingerprint. Imports only :mod:`kvloop.shared`."""
