@@ -62,6 +62,7 @@ from kvloop.engines.vllm_entry import IPC_SPIN_ENV
 from kvloop.shared import procs
 from kvloop.shared.config import join_dashed_values
 from kvloop.shared.errors import ConfigError, KvloopError
+from kvloop.shared.http import ENGINE_KEEPALIVE_S
 from kvloop.shared.paths import IMPORT_ROOT
 from kvloop.shared.procs import free_port
 
@@ -227,6 +228,7 @@ def build_env(config: EngineConfig, *, work_dir: Path, run_dir: Path, nixl_port:
     env.update(VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_LOGGING_LEVEL=config.log_level.upper(),
                PYTHONUNBUFFERED="1")
     env[IPC_SPIN_ENV] = str(config.ipc_spin_s)
+    env.setdefault("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", str(ENGINE_KEEPALIVE_S))  # clients keep idle connections less
     if config.offline:
         env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     if config.resolved_enforce_eager():

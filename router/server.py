@@ -30,6 +30,7 @@ from kvloop.router.config import RouterConfig
 from kvloop.router.metrics import RouterMetrics
 from kvloop.router.turn import TurnError, TurnRunner
 from kvloop.shared.config import parse_host_port
+from kvloop.shared.http import engine_client_connector
 from kvloop.shared.serving import wait_for_stop, write_port_file
 from kvloop.shared.tls import TlsFiles
 
@@ -49,7 +50,17 @@ def decision_headers(prepared: Any) -> dict[str, str]:
             "x-kvloop-pulled-tokens": str(report.pulled_tokens),
             "x-kvloop-local-tokens": str(report.local_tokens),
             "x-kvloop-computed-tokens": str(report.computed_tokens),
-            "x-kvloop-pull-ms": str(report.pull_ms if prepared.report else 0)}
+            "x-kvloop-pull-ms": str(report.pull_ms if prepared.report else 0),
+            "x-kvloop-timing": ",".join(f"{k}={v}" for k, v in timing_ms(prepared).items())}
+
+
+def timing_ms(prepared: Any) -> dict[str, float]:
+    """The router's steps (``Prepared.timings_ms``) and the prefill engine's own account of its part."""
+    out = dict(prepared.timings_ms)
+    if prepared.report is not None:
+        out.update(prefill_queue=prepared.report.queue_ms, pull=prepared.report.pull_ms,
+                   prefill_compute=prepared.report.compute_ms)
+    return out
 
 
 def session_hint(request: web.Request, body: dict[str, Any]) -> str:
@@ -169,6 +180,7 @@ class RouterApp:
         try:
             async for line in self.runner.decode_stream(prepared):
                 if response is None:
+                    prepared.timings_ms["decode_first"] = round((time.time_ns() - prepared.decode_started_ns) / 1e6, 3)
                     response = web.StreamResponse(headers={"content-type": "text/event-stream",
                                                            "cache-control": "no-cache", **decision_headers(prepared)})
                     await response.prepare(request)
@@ -258,7 +270,7 @@ async def start_router(config: RouterConfig) -> RunningRouter:
     as their URLs say (plain ``http://`` from the broker; on Kubernetes the mesh's mTLS covers them)."""
     config.validate()
     metrics = RouterMetrics()
-    http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256, keepalive_timeout=60))
+    http = aiohttp.ClientSession(connector=engine_client_connector(256))
     runner = TurnRunner(config, http, metrics)
     await runner.refresh()
     app = RouterApp(config, runner, metrics)

@@ -124,6 +124,10 @@ class Prepared:
     decode_alternatives: list[EngineInfo] = field(default_factory=list)
     decode_started_ns: int = 0
     prompt_keys: list[bytes] = field(default_factory=list)
+    timings_ms: dict[str, float] = field(default_factory=dict)
+    """Where the turn's time went before its first token, by step (``x-kvloop-timing``; the benchmark's breakdown):
+    tokenize, place (with any publication wait), publication_wait, pin, prefill (the request's round trip),
+    decode_first (the decode request to its first streamed line)."""
 
     @property
     def done(self) -> PrefillReport:
@@ -222,17 +226,30 @@ class TurnRunner:
             raise
 
     async def _prepare(self, kind: str, body: dict[str, Any], session: str, span: Any, started: float) -> Prepared:
+        timings: dict[str, float] = {}
+        mark = time.perf_counter()
+
+        def lap(step: str) -> None:
+            nonlocal mark
+            now = time.perf_counter()
+            timings[step] = round((now - mark) * 1e3, 3)
+            mark = now
+
         with tracer.start_as_current_span("kvloop.tokenize"):
             tokens = await self.tokenize(kind, body)
+        lap("tokenize")
         if len(tokens) > self.config.max_prompt_tokens:
             raise TurnError(400, f"prompt has {len(tokens)} tokens, more than this router accepts "
                                  f"({self.config.max_prompt_tokens})", "invalid_request_error", "messages")
         span.set_attribute("gen_ai.usage.input_tokens", len(tokens))
         with tracer.start_as_current_span("kvloop.place") as place_span:
-            plan, keys = await self._place(tokens, session)
+            plan, keys, wait_ms = await self._place(tokens, session)
             decision = pb.Decision.Name(plan.decision).removeprefix("DECISION_") if plan else "RECOMPUTE"
             reason = plan.reason if plan else "broker_unavailable"
             place_span.set_attribute("kvloop.decision", decision)
+        lap("place")
+        if wait_ms:
+            timings["publication_wait"] = wait_ms
         prefill = self.directory.engines.get(plan.prefill_engine_id) if plan else None
         decode = self.directory.engines.get(plan.decode_engine_id) if plan else None
         prefill = prefill or self.directory.pick("prefill")
@@ -247,9 +264,11 @@ class TurnRunner:
                 decision, reason = "RECOMPUTE", "pin_refused"
             else:
                 params = transfer_params(plan, pin)
+            lap("pin")
         prepared = Prepared(kind=kind, session=session, body=body, decode=decode, decode_params={}, span=span,
                             started=started, decision=decision, reason=reason, prompt_tokens=len(tokens),
-                            matched_tokens=int(plan.matched_tokens) if plan else 0, prompt_keys=keys)
+                            matched_tokens=int(plan.matched_tokens) if plan else 0, prompt_keys=keys,
+                            timings_ms=timings)
         with tracer.start_as_current_span("kvloop.prefill") as prefill_span:
             reply, used = await self._prefill(body, params, prefill)
             p_params = dict(reply.get("kv_transfer_params") or {})
@@ -258,6 +277,7 @@ class TurnRunner:
             for key, value in (report.to_params() if report else {}).items():
                 if key != "pull_failed":
                     prefill_span.set_attribute(f"kvloop.{key}", value)
+        lap("prefill")
         if pin is not None:
             failed_over = used.engine_id != prefill.engine_id
             self._complete(pin, PrefillReport(pull_failed=True) if failed_over else report)
@@ -268,16 +288,18 @@ class TurnRunner:
         prepared.decode_alternatives = [e for e in self.directory.of_role("decode") if e.engine_id != decode.engine_id]
         return prepared
 
-    async def _place(self, tokens: list[int], session: str) -> tuple[pb.Plan | None, list[bytes]]:
+    async def _place(self, tokens: list[int], session: str) -> tuple[pb.Plan | None, list[bytes], float]:
+        """The plan, the prompt's block keys and the milliseconds spent waiting for a publication."""
         layout = self.directory.layout()
         if self.placements is None or layout is None:
             self.metrics.fallbacks.labels("broker_unavailable").inc()
-            return None, []
+            return None, [], 0.0
         fingerprint, block_size = layout
         keys = block_keys(tokens, block_size, ExtraKeys(fingerprint))
         request = pb.PlaceRequest(session_id=session, block_keys=keys, num_tokens=len(tokens),
                                   layout_fingerprint=fingerprint, block_size=block_size)
         plan = await self._place_once(request)
+        wait_ms = 0.0
         # The previous answer's lease may be a few ms from published (router/recent.py): place again until the
         # match covers the answered prompt this one extends, or the window since that answer has passed.
         due, deadline = self.recent.expected(keys, time.monotonic())
@@ -288,12 +310,12 @@ class TurnRunner:
                 await asyncio.sleep(PUBLICATION_POLL_S)
                 plan = await self._place_once(request)
             outcome = "published" if plan is not None and plan.matched_blocks >= due else "timed_out"
+            wait_ms = round((time.monotonic() - waited) * 1e3, 3)
             self.metrics.publication_waits.labels(outcome).inc()
-            trace.get_current_span().set_attribute("kvloop.publication_wait_ms",
-                                                   round((time.monotonic() - waited) * 1e3, 1))
+            trace.get_current_span().set_attribute("kvloop.publication_wait_ms", wait_ms)
             log.info("router.publication_wait", outcome=outcome, due_blocks=due,
                      matched_blocks=plan.matched_blocks if plan else None)
-        return plan, keys
+        return plan, keys, wait_ms
 
     async def _place_once(self, request: pb.PlaceRequest) -> pb.Plan | None:
         try:

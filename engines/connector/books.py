@@ -35,6 +35,8 @@ class PrefillBooks:
 
     started: float
     local_tokens: int
+    queued_s: float = 0.0
+    """Time from the request's arrival to ``started``."""
     external_tokens: int = 0
     pull_started: float = 0.0
     pull_s: float = 0.0
@@ -52,11 +54,11 @@ class PrefillBooks:
             self.pull_failed = failed
             self.pull_s = now - self.pull_started
 
-    def report(self, prompt_tokens: int, block_size: int, bytes_per_block: int) -> PrefillReport:
+    def report(self, prompt_tokens: int, block_size: int, bytes_per_block: int, now: float) -> PrefillReport:
         return prefill_report(prompt_tokens=prompt_tokens, local_tokens=self.local_tokens,
                               external_tokens=self.external_tokens, pull_done=self.pull_done,
                               pull_failed=self.pull_failed, pull_s=self.pull_s, block_size=block_size,
-                              bytes_per_block=bytes_per_block)
+                              bytes_per_block=bytes_per_block, queue_s=self.queued_s, compute_s=self.compute_s(now))
 
     def compute_s(self, now: float) -> float:
         """Time on the engine that was not the pull: queueing and the tail's compute."""

@@ -125,8 +125,10 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
             return 0, False
         result: tuple[int, bool] = super().get_num_new_matched_tokens(request, num_computed_tokens)
         if params and params.get("do_remote_decode") and request.request_id not in self._prefills:
-            self._prefills[request.request_id] = PrefillBooks(started=time.perf_counter(),
-                                                              local_tokens=num_computed_tokens)
+            # arrival_time is wall-clock (time.time()); the books keep perf_counter for durations.
+            self._prefills[request.request_id] = PrefillBooks(
+                started=time.perf_counter(), local_tokens=num_computed_tokens,
+                queued_s=max(0.0, time.time() - float(getattr(request, "arrival_time", time.time()))))
         return result
 
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
@@ -149,13 +151,14 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
         books = self._prefills.pop(request.request_id, None)
         if books is None:
             return None
-        report = books.report(int(request.num_prompt_tokens), self.block_size, self.bytes_per_block)
+        report = books.report(int(request.num_prompt_tokens), self.block_size, self.bytes_per_block,
+                              time.perf_counter())
         if self._link is not None:
             from kvloop.v1 import engine_link_pb2 as lpb
 
             self._link.send(lpb.ConnectorEvent(prefill_done=lpb.PrefillDone(
                 request_id=request.request_id, computed_tokens=report.computed_tokens,
-                compute_s=books.compute_s(time.perf_counter()), pulled_blocks=report.pulled_blocks,
+                compute_s=report.compute_ms / 1e3, pulled_blocks=report.pulled_blocks,
                 pulled_bytes=report.pulled_bytes, pull_s=books.pull_s, pull_failed=report.pull_failed)))
         return report
 

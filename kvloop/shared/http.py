@@ -8,6 +8,24 @@ import urllib.request
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 from typing import Any
 
+import aiohttp
+
+ENGINE_KEEPALIVE_S = 75
+"""How long an engine's HTTP server keeps an idle connection (the launcher sets vLLM's
+``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s by default, to this)."""
+
+CLIENT_KEEPALIVE_S = 30.0
+"""How long kvloop's HTTP clients of engines (the router, the benchmarks) keep an idle pooled connection:
+well under :data:`ENGINE_KEEPALIVE_S`. A client that keeps a connection longer than the server sends its next
+request on a socket the server is closing and gets "Server disconnected" (it did, with aiohttp's 15 s against
+vLLM's 5 s: a decode request failed while its prompt's blocks stayed held on the prefill engine until their
+transfer lease expired)."""
+
+
+def engine_client_connector(limit: int = 256) -> aiohttp.TCPConnector:
+    """A connection pool for calls to engines, with :data:`CLIENT_KEEPALIVE_S`."""
+    return aiohttp.TCPConnector(limit=limit, keepalive_timeout=CLIENT_KEEPALIVE_S)
+
 
 def sse_data(line: bytes | str) -> dict[str, Any] | None:
     """The JSON object of one ``data: {...}`` line of an event stream; None for anything else (comments, blank

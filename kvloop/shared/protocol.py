@@ -72,6 +72,10 @@ class PrefillReport:
     pull_ms: float = 0.0
     pull_failed: bool = False
     computed_tokens: int = 0
+    queue_ms: float = 0.0
+    """From the request's arrival at the engine to the scheduler's first look at it."""
+    compute_ms: float = 0.0
+    """From the scheduler's first look to the prefill's end, less the pull: the tail's compute and engine steps."""
 
     @classmethod
     def pop_from(cls, params: dict[str, Any]) -> PrefillReport | None:
@@ -95,7 +99,8 @@ class PrefillReport:
 
 
 def prefill_report(*, prompt_tokens: int, local_tokens: int, external_tokens: int, pull_done: bool,
-                   pull_failed: bool, pull_s: float, block_size: int, bytes_per_block: int) -> PrefillReport:
+                   pull_failed: bool, pull_s: float, block_size: int, bytes_per_block: int, queue_s: float = 0.0,
+                   compute_s: float = 0.0) -> PrefillReport:
     """The connector's arithmetic: a pull counts only when it finished without failing; a pull that never
     finished counts as failed; computed = prompt - local - pulled."""
     pulled_tokens = external_tokens if pull_done and not pull_failed else 0
@@ -103,7 +108,8 @@ def prefill_report(*, prompt_tokens: int, local_tokens: int, external_tokens: in
     return PrefillReport(local_tokens=local_tokens, pulled_tokens=pulled_tokens, pulled_blocks=pulled_blocks,
                          pulled_bytes=pulled_blocks * bytes_per_block, pull_ms=round(pull_s * 1e3, 3),
                          pull_failed=pull_failed or (external_tokens > 0 and not pull_done),
-                         computed_tokens=max(0, prompt_tokens - local_tokens - pulled_tokens))
+                         computed_tokens=max(0, prompt_tokens - local_tokens - pulled_tokens),
+                         queue_ms=round(queue_s * 1e3, 3), compute_ms=round(compute_s * 1e3, 3))
 
 
 def prefill_only_params() -> dict[str, Any]:

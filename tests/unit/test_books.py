@@ -26,18 +26,19 @@ def test_a_finished_pull_counts_a_failed_or_unfinished_one_does_not() -> None:
     books.pull_began(external_tokens=512, now=10.5)
     books.pull_finished(failed=False, now=10.75)
     books.pull_finished(failed=True, now=11.0)  # reported again after a reset: the first word stands
-    report = books.report(prompt_tokens=1000, block_size=128, bytes_per_block=1000)
+    report = books.report(prompt_tokens=1000, block_size=128, bytes_per_block=1000, now=12.0)
     assert report == PrefillReport(local_tokens=256, pulled_tokens=512, pulled_blocks=4, pulled_bytes=4000,
-                                   pull_ms=250.0, pull_failed=False, computed_tokens=232)
+                                   pull_ms=250.0, pull_failed=False, computed_tokens=232, compute_ms=1750.0)
     assert books.compute_s(now=12.0) == pytest.approx(1.75)
     failed = PrefillBooks(started=0.0, local_tokens=0)
     failed.pull_began(384, now=0.1)
     failed.pull_finished(failed=True, now=0.2)
-    assert failed.report(1000, 128, 1000).pulled_tokens == 0 and failed.report(1000, 128, 1000).computed_tokens == 1000
+    assert failed.report(1000, 128, 1000, 1.0).pulled_tokens == 0
+    assert failed.report(1000, 128, 1000, 1.0).computed_tokens == 1000
     never = PrefillBooks(started=0.0, local_tokens=0)
     never.pull_began(384, now=0.1)  # a pull that never finished counts as failed
-    assert never.report(1000, 128, 1000).pull_failed
-    assert PrefillBooks(started=0.0, local_tokens=128).report(100, 128, 1).computed_tokens == 0  # never negative
+    assert never.report(1000, 128, 1000, 1.0).pull_failed
+    assert PrefillBooks(started=0.0, local_tokens=128).report(100, 128, 1, 1.0).computed_tokens == 0  # never negative
 
 
 def test_a_decode_request_retains_only_its_full_blocks() -> None:
