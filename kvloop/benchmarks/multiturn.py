@@ -1,21 +1,24 @@
-"""``kvloop bench multiturn``: one multi-turn workload through four configurations, one after another, each with
-only its own engines up (so none pays for another's idle processes), on the same engine settings.
+"""``kvloop bench multiturn``: one multi-turn workload through each configuration, one after another, each with
+only its own engines up, on the same engine settings except what is compared.
 
-- ``one_way``: P/D without a return path; two prefill engines with their local prefix caches, placement
-  round-robin over them (the honest baseline).
-- ``upstream``: vLLM's own decode-to-prefill mode (``bidirectional_kv_xfer``), driven the way its multi-turn
-  example proxy does it, written here from the documented protocol: the decode's returned
-  ``kv_transfer_params`` kept per conversation id and used once on its next turn, a fixed TTL, no broker.
-  vLLM 0.32 returns those params only on non-streamed replies, so this proxy cannot stream the decode: its
-  client's first token arrives with the whole answer, and that is the TTFT recorded.
-- ``kvloop``: the broker, the sidecars and the router (the real front door, streamed).
-- ``ideal``: one aggregated engine with its local prefix cache; the limit that no transfer can beat.
+Configurations (``--configs``):
 
-Sizing (stated in the JSON): each prefill engine's KV space holds at most a quarter of the conversations'
-histories (``--num-gpu-blocks-override``), so its local prefix cache churns as in production. The
-retention-pressure scenario reruns ``upstream`` and ``kvloop`` with a decode engine that can retain about
-half of the working set (kvloop: its retention budget; upstream: the decode's KV space), so eviction decides
-what the next turn finds; it is reported separately. TTFT is client-side, to the first streamed token.
+- ``one_way``: P/D without a return path; two prefill engines round-robin, their local prefix caches on;
+- ``upstream``: vLLM's own decode-to-prefill mode driven as its example proxy does (cannot stream in 0.32);
+- ``kvloop``: the broker, the sidecars and the router (streamed);
+- ``ideal``: one aggregated engine with its prefix cache, on every core (the absolute limit);
+- ``ideal_same_cores``: the same engine on the decode engine's cores only (the hardware a kvloop turn's decode
+  side has), so ``kvloop / ideal_same_cores`` compares the detour, not the hardware.
+
+What is equal (stated in the JSON's ``engines``): the model and dtype, the core split (prefill engines share
+the first half of the cores, the decode engine the second), vLLM's queue-spin cap, the HTTP keep-alive, and
+kvloop's connector on every P/D engine (its NIXL progress-thread delay and one-pull-then-recompute fix); the
+baselines run it with ``kvloop_retain`` off and no broker. Every prefill engine has room for ``concurrency``
+full-length prompts plus a quarter of the histories; every decode and aggregated engine the default KV space.
+
+Each configuration's health is checked against its own figures (:mod:`kvloop.benchmarks.stats`): one with
+errors, requests queued over ``STALL_S`` in an engine, or a time to first token more than ``HEALTH_FACTOR``
+times its engines' prefill time is marked unhealthy, and ratios that involve it are withheld.
 """
 
 from __future__ import annotations
@@ -29,35 +32,64 @@ import statistics
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from kvloop.benchmarks.workload import Conversation, WorkloadSpec, describe, replay, synthetic
+from kvloop.benchmarks.clients import (
+    AggregatedClient,
+    Client,
+    OneWayClient,
+    RouterClient,
+    Served,
+    UpstreamClient,
+)
+from kvloop.benchmarks.stats import (
+    HEALTH_FACTOR,
+    STALL_S,
+    TURN_OVERHEAD_S,
+    health,
+    markdown_table,
+    percentiles_ms,
+    requests_above,
+    show,
+    spread,
+)
+from kvloop.benchmarks.workload import AgentSpec, Conversation, WorkloadSpec, agent, describe, replay, synthetic
 from kvloop.cluster import LocalCluster
 from kvloop.engine_set import EngineSet, role_cores, start_engines
 from kvloop.engines.config import EngineConfig, default_work_dir
 from kvloop.engines.model import ensure_tiny_model
-from kvloop.shared.http import aiter_sse, metric_by_label, read_metrics
+from kvloop.shared.http import engine_client_connector, metric_by_label, metric_total, read_metrics
 
 BLOCK = 128
-CONFIGS = ("one_way", "upstream", "kvloop", "ideal")
+CONFIGS = ("one_way", "upstream", "kvloop", "ideal", "ideal_same_cores")
+PRESSURE = ("upstream_pressure", "kvloop_pressure")
+DEFAULT_CONFIGS = CONFIGS
 LATE_TOKENS = 8000
+BREAKDOWN_STEPS = ("tokenize", "place", "publication_wait", "pin", "prefill_queue", "pull", "prefill_compute",
+                   "prefill_http", "decode_first", "router_other")
 
 
 @dataclass
 class TurnRecord:
     config: str
+    repeat: int
     conversation: str
     turn: int
     context_tokens: int
     ttft_s: float
     decision: str
+    e2e_s: float = 0.0
+    itl_p50_ms: float | None = None
+    itl_max_ms: float | None = None
+    prefill_ttft_s: float | None = None
     error: str = ""
+    report: dict[str, Any] = field(default_factory=dict)
     detail: dict[str, Any] = field(default_factory=dict)
-    """kvloop's turns: the router's x-kvloop-* reply headers (matched, pulled, local and computed tokens, pull ms)."""
+    """kvloop's turns: the router's x-kvloop-* reply headers (decision, reason, tokens, ``timing``)."""
 
 
 @dataclass
@@ -69,300 +101,308 @@ class Sizing:
     notes: dict[str, Any] = field(default_factory=dict)
 
 
-def sizing(spec: WorkloadSpec, conversations: list[Conversation], pressure: bool) -> Sizing:
-    longest = max(len(c.prefix) + sum(map(len, c.new_tokens)) + c.turns * spec.output_tokens for c in conversations)
-    max_len = int(math.ceil((longest + spec.output_tokens + BLOCK) / BLOCK) * BLOCK)
+def sizing(conversations: list[Conversation], answer: int, concurrency: int, pressure: bool) -> Sizing:
+    """Prefill engines: room for ``concurrency`` longest prompts (none waits for blocks only a timeout frees), and
+    at least a quarter of the histories (their prefix caches churn as in production). Under pressure the decode
+    engine can retain about half the working set."""
+    lengths = [len(c.prefix) + sum(map(len, c.new_tokens)) + sum(c.answer(t, answer) for t in range(c.turns))
+               for c in conversations]
+    max_len = int(math.ceil((max(lengths) + answer + BLOCK) / BLOCK) * BLOCK)
     one = max_len // BLOCK + 2
-    total = sum(math.ceil((len(c.prefix) + sum(map(len, c.new_tokens)) + c.turns * spec.output_tokens) / BLOCK)
-                for c in conversations)
-    prefill = max(one, math.ceil(total / 4))
-    decode = None
-    fraction = 0.5
+    total = sum(math.ceil(n / BLOCK) for n in lengths)
+    prefill = max(one * concurrency, math.ceil(total / 4))
+    decode, fraction = None, 0.5
     if pressure:
-        # The decode engine can retain about half of the working set: blocks for the active requests plus half.
-        decode = one * spec.concurrency + math.ceil(total / 2)
+        decode = one * concurrency + math.ceil(total / 2)
         fraction = max(0.05, min(1.0, (total / 2) / decode))
     return Sizing(max_len, prefill, decode, fraction, {
-        "history_blocks_total": total, "prefill_blocks_each": prefill,
-        "prefill_share_of_histories": round(prefill / max(1, total), 3), "decode_blocks": decode,
+        "history_blocks_total": total, "prefill_blocks_each": prefill, "longest_prompt_blocks": one,
+        "prefill_room_for_longest_prompts": prefill // one, "decode_blocks": decode,
         "decode_retention_budget_blocks": int(decode * fraction) if decode else None})
-
-
-def percentiles(values: list[float]) -> dict[str, float | None]:
-    if not values:
-        return {"p50": None, "p95": None, "p99": None}
-    ordered = sorted(values)
-
-    def at(q: float) -> float:
-        return round(ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))] * 1e3, 1)
-
-    return {"p50": at(0.50), "p95": at(0.95), "p99": at(0.99)}
 
 
 class Progress:
     def __init__(self, total: int, label: str) -> None:
-        self.total, self.done, self.label = total, 0, label
+        self.total, self.done, self.label, self.t0 = total, 0, label, time.monotonic()
 
     def step(self) -> None:
         self.done += 1
         width = 30
         filled = int(width * self.done / max(1, self.total))
-        sys.stderr.write(f"\r  {self.label:<18} [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total}")
+        sys.stderr.write(f"\r  {self.label:<24} [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total}"
+                         f"  {time.monotonic() - self.t0:5.0f}s")
         if self.done == self.total:
             sys.stderr.write("\n")
         sys.stderr.flush()
 
 
-# Engines and clients -------------------------------------------------------------------------------------
+# Engines ---------------------------------------------------------------------------------------------------
 
-def _engine_config(model: Path, work: Path, role: str, index: int, *, connector: str, broker: str, size: Sizing,
-                   blocks: int | None, extra: dict[str, Any]) -> EngineConfig:
-    args = f"--num-gpu-blocks-override {blocks}" if blocks else ""
-    cores = role_cores(role)
+def engine_config(model: Path, work: Path, role: str, index: int, *, connector: str, broker: str, size: Sizing,
+                  blocks: int | None, extra: dict[str, Any], cores: str | None = None) -> EngineConfig:
     return EngineConfig(role=role, model=model, engine_id=f"{role}-{index}", work_dir=work, connector=connector,
-                        broker=broker, max_model_len=size.max_model_len, extra_vllm_args=args,
-                        retention_fraction=size.retention_fraction, omp_threads_bind=cores,
+                        broker=broker, max_model_len=size.max_model_len,
+                        extra_vllm_args=f"--num-gpu-blocks-override {blocks}" if blocks else "",
+                        retention_fraction=size.retention_fraction, omp_threads_bind=cores or role_cores(role),
                         kv_role={"prefill": "kv_producer", "decode": "kv_consumer"}.get(role, "kv_both"),
-                        kv_connector_extra_config=json.dumps({"kv_lease_duration": 120, **extra}),
-                        log_level="warning")
+                        kv_connector_extra_config=json.dumps(extra), log_level="warning")
 
 
-async def _post(http: aiohttp.ClientSession, url: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    async with http.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as reply:
-        data: dict[str, Any] = await reply.json(content_type=None)
-        if reply.status >= 400:
-            raise RuntimeError(f"{url} answered {reply.status}: {str(data)[:200]}")
-        return data
+BASELINE_EXTRA = {"kvloop_retain": False, "bidirectional_kv_xfer": False}
+"""one_way: kvloop's connector with its engine fixes, retaining nothing, upstream's one-way P->D."""
+UPSTREAM_EXTRA = {"kvloop_retain": False, "bidirectional_kv_xfer": True, "kv_lease_duration": 120}
+"""upstream: the same, with vLLM's own decode-to-prefill mode on (its decode holds blocks for the next turn)."""
 
 
-async def _stream(http: aiohttp.ClientSession, url: str, body: dict[str, Any], t0: float, timeout_s: float,
-                  headers: dict[str, str] | None = None) -> tuple[list[int], float, dict[str, str]]:
-    """A streamed completion: its token ids, TTFT (first token since ``t0``) and the reply's headers."""
-    ids: list[int] = []
-    ttft = 0.0
-    async with http.post(url, json={**body, "stream": True, "return_token_ids": True}, headers=headers,
-                         timeout=aiohttp.ClientTimeout(total=timeout_s)) as reply:
-        if reply.status >= 400:
-            raise RuntimeError(f"{url} answered {reply.status}: {(await reply.text())[:200]}")
-        headers = dict(reply.headers)
-        async for chunk in aiter_sse(reply.content):
-            if "error" in chunk:
-                raise RuntimeError(str(chunk["error"])[:200])
-            for choice in chunk.get("choices", []):
-                new = list(choice.get("token_ids") or [])
-                if new and not ttft:
-                    ttft = time.perf_counter() - t0
-                ids += new
-    return ids, ttft or time.perf_counter() - t0, headers
+async def start_config(name: str, model: Path, work: Path, size: Sizing, timeout_s: float
+                       ) -> tuple[EngineSet, LocalCluster | None]:
+    def pd(connector: str, broker: str, extra: dict[str, Any]) -> list[EngineConfig]:
+        prefills = [engine_config(model, work, "prefill", i, connector=connector, broker=broker, size=size,
+                                  blocks=size.prefill_blocks, extra=extra) for i in range(2)]
+        return [*prefills, engine_config(model, work, "decode", 2, connector=connector, broker=broker, size=size,
+                                         blocks=size.decode_blocks, extra=extra)]
+
+    if name in ("ideal", "ideal_same_cores"):
+        # No KV connector: nothing is transferred, and the engine pays for no NIXL agent.
+        cores = "auto" if name == "ideal" else role_cores("decode")
+        config = engine_config(model, work, "both", 0, connector="none", broker="", size=size,
+                               blocks=size.decode_blocks, extra={}, cores=cores)
+        return await asyncio.to_thread(start_engines, [config]), None
+    if name.startswith("kvloop"):
+        cluster = await LocalCluster.start(lambda broker: pd("kvloop", broker, {}), work, separate_broker=True,
+                                           broker={"engine_ttl_s": 10.0}, router={"request_timeout_s": timeout_s})
+        return cluster.engines, cluster
+    extra = UPSTREAM_EXTRA if name.startswith("upstream") else BASELINE_EXTRA
+    return await asyncio.to_thread(start_engines, pd("kvloop", "", extra)), None
 
 
-class Client:
-    """One configuration's way of serving a turn: returns (output ids, TTFT, decision)."""
-
-    def __init__(self, http: aiohttp.ClientSession, model: str, timeout_s: float) -> None:
-        self.http, self.model, self.timeout_s = http, model, timeout_s
-        self.turns = 0
-        self.last_detail: dict[str, str] = {}
-        """The last turn's extra figures; read right after ``turn`` returns, with no await in between, so
-        concurrent conversations sharing this client cannot mix them up."""
-
-    def body(self, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-        return {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                "ignore_eos": True}
-
-    async def turn(self, conv: str, prompt: list[int], max_tokens: int) -> tuple[list[int], float, str]:
-        raise NotImplementedError
+def client_for(name: str, http: aiohttp.ClientSession, model: str, timeout_s: float, engines: EngineSet,
+               cluster: LocalCluster | None) -> Client:
+    if cluster is not None:
+        assert cluster.router is not None
+        return RouterClient(http, model, timeout_s, cluster.router.url)
+    if name.startswith("ideal"):
+        return AggregatedClient(http, model, timeout_s, engines.by_id("both-0").url)
+    prefills = [e.url for e in engines.of_role("prefill")]
+    cls = UpstreamClient if name.startswith("upstream") else OneWayClient
+    return cls(http, model, timeout_s, prefills, engines.by_id("decode-2").url)
 
 
-class OneWayClient(Client):
-    def __init__(self, http: aiohttp.ClientSession, model: str, timeout_s: float, prefills: list[str], decode: str
-                 ) -> None:
-        super().__init__(http, model, timeout_s)
-        self.prefills, self.decode = prefills, decode
+# Running ---------------------------------------------------------------------------------------------------
 
-    async def prefill(self, conv: str, prompt: list[int], params: dict[str, Any]) -> dict[str, Any]:
-        url = self.prefills[self.turns % len(self.prefills)]
-        self.turns += 1
-        body = {**self.body(prompt, 1), "kv_transfer_params": params}
-        return dict((await _post(self.http, f"{url}/v1/completions", body, self.timeout_s)).get(
-            "kv_transfer_params") or {})
-
-    async def turn(self, conv: str, prompt: list[int], max_tokens: int) -> tuple[list[int], float, str]:
-        t0 = time.perf_counter()
-        params = await self.prefill(conv, prompt, {"do_remote_decode": True, "do_remote_prefill": False})
-        ids, ttft, _ = await _stream(self.http, f"{self.decode}/v1/completions",
-                                     {**self.body(prompt, max_tokens), "kv_transfer_params": params}, t0,
-                                     self.timeout_s)
-        return ids, ttft, "RECOMPUTE"
-
-
-class UpstreamClient(OneWayClient):
-    """The decode's returned params per conversation id, used once on its next turn (upstream's example proxy)."""
-
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
-        self.retained: dict[str, dict[str, Any]] = {}
-
-    async def turn(self, conv: str, prompt: list[int], max_tokens: int) -> tuple[list[int], float, str]:
-        t0 = time.perf_counter()
-        params: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False}
-        kept = self.retained.pop(conv, None)
-        decision = "RECOMPUTE"
-        if kept and kept.get("remote_block_ids"):
-            params.update({k: kept[k] for k in ("remote_block_ids", "remote_engine_id", "remote_request_id",
-                                                 "remote_host", "remote_port", "remote_num_tokens", "tp_size",
-                                                 "remote_blocks_expiry_time") if k in kept})
-            decision = "TRANSFER"
-        p_params = await self.prefill(conv, prompt, params)
-        reply = await _post(self.http, f"{self.decode}/v1/completions",
-                            {**self.body(prompt, max_tokens), "kv_transfer_params": p_params,
-                             "return_token_ids": True}, self.timeout_s)
-        ttft = time.perf_counter() - t0  # not streamable: the first token arrives with the whole answer
-        if reply.get("kv_transfer_params"):
-            self.retained[conv] = reply["kv_transfer_params"]
-        return list(reply["choices"][0].get("token_ids") or []), ttft, decision
-
-
-class RouterClient(Client):
-    def __init__(self, http: aiohttp.ClientSession, model: str, timeout_s: float, router: str) -> None:
-        super().__init__(http, model, timeout_s)
-        self.router = router
-
-    async def turn(self, conv: str, prompt: list[int], max_tokens: int) -> tuple[list[int], float, str]:
-        ids, ttft, headers = await _stream(self.http, f"{self.router}/v1/completions", self.body(prompt, max_tokens),
-                                           time.perf_counter(), self.timeout_s, headers={"x-session-id": conv})
-        self.last_detail = {k.lower().removeprefix("x-kvloop-"): v for k, v in headers.items()
-                            if k.lower().startswith("x-kvloop-")}
-        return ids, ttft, headers.get("x-kvloop-decision", headers.get("X-Kvloop-Decision", "?"))
-
-
-class AggregatedClient(Client):
-    def __init__(self, http: aiohttp.ClientSession, model: str, timeout_s: float, engine: str) -> None:
-        super().__init__(http, model, timeout_s)
-        self.engine = engine
-
-    async def turn(self, conv: str, prompt: list[int], max_tokens: int) -> tuple[list[int], float, str]:
-        t0 = time.perf_counter()
-        ids, ttft, _ = await _stream(self.http, f"{self.engine}/v1/completions", self.body(prompt, max_tokens), t0,
-                                     self.timeout_s)
-        return ids, ttft, "LOCAL"
-
-
-async def run_workload(config: str, client: Client, conversations: list[Conversation], spec: WorkloadSpec
-                       ) -> list[TurnRecord]:
+async def run_workload(config: str, repeat: int, client: Client, conversations: list[Conversation],
+                       answer: int, think_s: float, concurrency: int) -> tuple[list[TurnRecord], list[float]]:
+    """Every conversation's turns in order, ``concurrency`` conversations at a time. Returns the turn records and
+    every inter-token gap (seconds)."""
     records: list[TurnRecord] = []
-    progress = Progress(sum(c.turns for c in conversations), config)
-    gate = asyncio.Semaphore(spec.concurrency)
+    gaps: list[float] = []
+    progress = Progress(sum(c.turns for c in conversations), f"{config} #{repeat + 1}")
+    gate = asyncio.Semaphore(concurrency)
 
     async def one(conv: Conversation) -> None:
         async with gate:
             history = list(conv.prefix)
             for i, new in enumerate(conv.new_tokens):
                 prompt = history + new
+                base: dict[str, Any] = {"config": config, "repeat": repeat, "conversation": conv.conversation_id,
+                                        "turn": i + 1, "context_tokens": len(prompt)}
                 try:
-                    out, ttft, decision = await client.turn(conv.conversation_id, prompt, spec.output_tokens)
-                    records.append(TurnRecord(config, conv.conversation_id, i + 1, len(prompt), ttft, decision,
-                                              detail=dict(client.last_detail)))
-                    history = prompt + out
+                    served: Served = await client.turn(conv.conversation_id, prompt, conv.answer(i, answer))
+                    gaps.extend(served.itl_s)
+                    itl = sorted(served.itl_s)
+                    records.append(TurnRecord(
+                        **base, ttft_s=served.ttft_s, decision=served.decision, e2e_s=served.e2e_s,
+                        itl_p50_ms=round(itl[len(itl) // 2] * 1e3, 2) if itl else None,
+                        itl_max_ms=round(itl[-1] * 1e3, 2) if itl else None, prefill_ttft_s=served.prefill_ttft_s,
+                        report=served.report.to_params() if served.report else {}, detail=served.headers))
+                    history = prompt + served.output_ids
                 except Exception as exc:
-                    records.append(TurnRecord(config, conv.conversation_id, i + 1, len(prompt), 0.0, "ERROR",
-                                              str(exc)[:300]))
+                    records.append(TurnRecord(**base, ttft_s=0.0, decision="ERROR",
+                                              error=f"{type(exc).__name__}: {exc}"[:300]))
                     history = prompt
                 progress.step()
-                if spec.think_time_s:
-                    await asyncio.sleep(spec.think_time_s)  # the client's think time, part of the workload
+                await asyncio.sleep(conv.think(i, think_s))  # the agent's tool run: part of the workload
 
     await asyncio.gather(*(one(c) for c in conversations))
-    return records
+    return records, gaps
 
 
-def source_tokens(urls: list[str]) -> dict[str, float]:
-    """Prompt tokens by source (local_compute, local_cache_hit, external_kv_transfer) over the engines."""
+def engine_snapshot(urls: list[str]) -> dict[str, float]:
+    """The figures the health check and the token counts need, summed over the engines."""
     totals: dict[str, float] = {}
     for url in urls:
-        for source, value in metric_by_label(read_metrics(url), "vllm:prompt_tokens_by_source_total",
-                                             "source").items():
-            totals[source] = totals.get(source, 0.0) + value
+        samples = read_metrics(url)
+        for source, value in metric_by_label(samples, "vllm:prompt_tokens_by_source_total", "source").items():
+            totals[f"tokens.{source}"] = totals.get(f"tokens.{source}", 0.0) + value
+        for name in ("vllm:request_prefill_time_seconds_sum", "vllm:request_queue_time_seconds_sum"):
+            totals[name] = totals.get(name, 0.0) + metric_total(samples, name)
+        totals["stalled"] = totals.get("stalled", 0.0) + requests_above(samples, "vllm:request_queue_time_seconds",
+                                                                        STALL_S)
     return totals
 
 
-async def run_config(name: str, model: Path, work: Path, spec: WorkloadSpec, conversations: list[Conversation],
-                     size: Sizing, timeout_s: float) -> tuple[list[TurnRecord], dict[str, float]]:
-    work = work / name
-    extra_up = {"bidirectional_kv_xfer": True, "kv_lease_duration": 120}
-    cluster: LocalCluster | None = None
-    engines = EngineSet()
-
-    def pd(connector: str, broker: str, extra: dict[str, Any]) -> list[EngineConfig]:
-        configs = [_engine_config(model, work, "prefill", i, connector=connector, broker=broker, size=size,
-                                  blocks=size.prefill_blocks, extra=extra) for i in range(2)]
-        return [*configs, _engine_config(model, work, "decode", 2, connector=connector, broker=broker, size=size,
-                                         blocks=size.decode_blocks, extra=extra)]
-
+async def run_config(name: str, repeat: int, model: Path, work: Path, conversations: list[Conversation],
+                     size: Sizing, args: argparse.Namespace) -> dict[str, Any]:
+    engines, cluster = await start_config(name, model, work / f"{name}-{repeat}", size, args.timeout_s)
     try:
-        if name == "ideal":
-            # No KV connector: nothing is transferred, and the engine pays for no NIXL agent.
-            engines = await asyncio.to_thread(start_engines, [_engine_config(
-                model, work, "both", 0, connector="none", broker="", size=size, blocks=None, extra={})])
-        elif name.startswith("kvloop"):
-            cluster = await LocalCluster.start(lambda broker: pd("kvloop", broker, {}), work,
-                                               separate_broker=True, broker={"engine_ttl_s": 10.0},
-                                               router={"request_timeout_s": timeout_s})
-            engines = cluster.engines
-        else:
-            engines = await asyncio.to_thread(start_engines, pd("nixl", "", extra_up if name.startswith("upstream")
-                                                                else {}))
-        urls = {e.engine_id: e.url for e in engines}
-        prefill_urls = [u for k, u in urls.items() if not k.startswith("decode")]
-        before = await asyncio.to_thread(source_tokens, prefill_urls)
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64)) as http:
-            mname = model.name
-            client: Client
-            if name == "ideal":
-                client = AggregatedClient(http, mname, timeout_s, urls["both-0"])
-            elif cluster is not None:
-                assert cluster.router is not None
-                client = RouterClient(http, mname, timeout_s, cluster.router.url)
-            else:
-                cls = UpstreamClient if name.startswith("upstream") else OneWayClient
-                client = cls(http, mname, timeout_s, [urls["prefill-0"], urls["prefill-1"]], urls["decode-2"])
-            records = await run_workload(name, client, conversations, spec)
-        after = await asyncio.to_thread(source_tokens, prefill_urls)
-        return records, {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+        urls = [e.url for e in engines]
+        before = await asyncio.to_thread(engine_snapshot, urls)
+        t0 = time.monotonic()
+        async with aiohttp.ClientSession(connector=engine_client_connector(64)) as http:
+            client = client_for(name, http, model.name, args.timeout_s, engines, cluster)
+            records, gaps = await run_workload(name, repeat, client, conversations, args.answer_tokens,
+                                               args.think_time_s, args.concurrency)
+        seconds = time.monotonic() - t0
+        after = await asyncio.to_thread(engine_snapshot, urls)
     finally:
         if cluster is not None:
             await cluster.stop()
         else:
             await asyncio.to_thread(engines.stop)
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    return {"records": records, "gaps": gaps, "engines": delta, "seconds": seconds}
 
 
-def summarize(records: list[TurnRecord], tokens: dict[str, float]) -> dict[str, Any]:
+# Summaries -------------------------------------------------------------------------------------------------
+
+def timing(record: TurnRecord) -> dict[str, float]:
+    """kvloop's per-step milliseconds from the router's ``x-kvloop-timing`` header, with what is left over."""
+    raw = record.detail.get("timing", "")
+    steps = {k: float(v) for k, _, v in (part.partition("=") for part in raw.split(",") if "=" in part)}
+    if not steps:
+        return {}
+    engine_side = sum(steps.get(k, 0.0) for k in ("prefill_queue", "pull", "prefill_compute"))
+    if "prefill" in steps:
+        steps["prefill_http"] = max(0.0, steps.pop("prefill") - engine_side)
+    router_steps = sum(steps.get(k, 0.0) for k in ("tokenize", "place", "pin", "decode_first")) + engine_side + \
+        steps.get("prefill_http", 0.0)
+    steps["router_other"] = max(0.0, record.ttft_s * 1e3 - router_steps)
+    return steps
+
+
+def breakdown(records: list[TurnRecord]) -> dict[str, dict[str, float | None]]:
+    """Per step: median and p90 milliseconds over the turns (``publication_wait`` is inside ``place``)."""
+    per_step: dict[str, list[float]] = {}
+    for r in records:
+        for step, ms in timing(r).items():
+            per_step.setdefault(step, []).append(ms)
+    out: dict[str, dict[str, float | None]] = {}
+    for step in BREAKDOWN_STEPS:
+        values = sorted(per_step.get(step, []))
+        if values:
+            out[step] = {"p50": round(statistics.median(values), 2),
+                         "p90": round(values[min(len(values) - 1, math.ceil(0.9 * len(values)) - 1)], 2),
+                         "n": len(values)}
+    return out
+
+
+def summarize(name: str, runs: list[dict[str, Any]], late_tokens: int) -> dict[str, Any]:
+    """A configuration over its repeats: pooled percentiles, health per repeat, tokens, decisions."""
+    records = [r for run in runs for r in run["records"]]
     ok = [r for r in records if not r.error]
-    late = [r for r in ok if r.context_tokens >= LATE_TOKENS]
-    if not late:  # a small run never reaches 8k tokens: its second half of turns stands in for "late"
-        cut = sorted(r.context_tokens for r in ok)[len(ok) // 2] if ok else 0
-        late = [r for r in ok if r.context_tokens >= cut]
-    return {"ttft_ms": percentiles([r.ttft_s for r in ok]), "late_ttft_ms": percentiles([r.ttft_s for r in late]),
-            "requests": len(records), "errors": len(records) - len(ok),
-            "decisions": dict(Counter(r.decision for r in records)),
-            "tokens": {"reused": int(tokens.get("local_cache_hit", 0) + tokens.get("external_kv_transfer", 0)),
-                       "computed": int(tokens.get("local_compute", 0))},
-            "late_turns": len(late), "error_samples": [r.error for r in records if r.error][:3]}
+    late = [r for r in ok if r.context_tokens >= late_tokens]
+    gaps = [g for run in runs for g in run["gaps"]]
+    checks = []
+    for run in runs:
+        errors = sum(1 for r in run["records"] if r.error)
+        first = [r.prefill_ttft_s if r.prefill_ttft_s is not None else r.ttft_s for r in run["records"] if not r.error]
+        checks.append(health(errors=errors, turns=len(first), ttft_sum_s=sum(first),
+                             prefill_sum_s=run["engines"].get("vllm:request_prefill_time_seconds_sum", 0.0),
+                             stalled_requests=int(run["engines"].get("stalled", 0))))
+    healthy = all(c.healthy for c in checks)
+    engines = [run["engines"] for run in runs]
+    summary: dict[str, Any] = {
+        "ttft_ms": percentiles_ms([r.ttft_s for r in ok]), "late_ttft_ms": percentiles_ms([r.ttft_s for r in late]),
+        "e2e_ms": percentiles_ms([r.e2e_s for r in ok]), "itl_ms": percentiles_ms(gaps),
+        "requests": len(records), "errors": len(records) - len(ok), "late_turns": len(late),
+        "decisions": dict(Counter(r.decision for r in records)),
+        "tokens": {"reused": int(sum(e.get("tokens.local_cache_hit", 0) + e.get("tokens.external_kv_transfer", 0)
+                                     for e in engines)),
+                   "computed": int(sum(e.get("tokens.local_compute", 0) for e in engines))},
+        "healthy": healthy,
+        "health": [{"healthy": c.healthy, "reason": c.reason, "ttft_over_prefill": c.ttft_over_prefill,
+                    "stalled_requests": c.stalled_requests} for c in checks],
+        "seconds": [round(run["seconds"], 1) for run in runs],
+        "error_samples": [r.error for r in records if r.error][:3]}
+    if name.startswith("upstream"):
+        summary["prefill_ttft_ms"] = percentiles_ms([r.prefill_ttft_s for r in ok if r.prefill_ttft_s is not None])
+        summary["late_prefill_ttft_ms"] = percentiles_ms([r.prefill_ttft_s for r in late
+                                                          if r.prefill_ttft_s is not None])
+    if name.startswith("kvloop"):
+        summary["breakdown"] = breakdown(ok)
+    return summary
 
 
-def ratio(a: dict[str, Any], b: dict[str, Any], key: str, q: str) -> float | None:
-    x, y = a[key][q], b[key][q]
-    return round(x / y, 2) if x and y else None
+RATIOS = {  # name: (numerator config, denominator config, metric, quantile)
+    "one_way_over_kvloop_late_p50": ("one_way", "kvloop", "late_ttft_ms", "p50"),
+    "one_way_over_kvloop_late_p99": ("one_way", "kvloop", "late_ttft_ms", "p99"),
+    "upstream_over_kvloop_late_p50": ("upstream", "kvloop", "late_ttft_ms", "p50"),
+    "upstream_over_kvloop_late_p99": ("upstream", "kvloop", "late_ttft_ms", "p99"),
+    "kvloop_over_ideal_late_p50": ("kvloop", "ideal", "late_ttft_ms", "p50"),
+    "kvloop_over_ideal_late_p99": ("kvloop", "ideal", "late_ttft_ms", "p99"),
+    "kvloop_over_ideal_same_cores_late_p50": ("kvloop", "ideal_same_cores", "late_ttft_ms", "p50"),
+    "kvloop_over_ideal_same_cores_late_p99": ("kvloop", "ideal_same_cores", "late_ttft_ms", "p99"),
+    "kvloop_over_ideal_same_cores_itl_p99": ("kvloop", "ideal_same_cores", "itl_ms", "p99"),
+    "pressure_upstream_over_kvloop_late_p50": ("upstream_pressure", "kvloop_pressure", "late_ttft_ms", "p50"),
+    "pressure_upstream_over_kvloop_late_p99": ("upstream_pressure", "kvloop_pressure", "late_ttft_ms", "p99"),
+}
 
 
-def plot(records: list[TurnRecord], path: Path) -> bool:
+def ratios(per_repeat: list[dict[str, dict[str, Any]]]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Each ratio per repeat (both sides measured in that repeat), as median and range; a ratio whose side was
+    unhealthy in a repeat, or whose percentile had too few samples, is withheld with the reason."""
+    out: dict[str, Any] = {}
+    withheld: dict[str, str] = {}
+    for name, (a, b, metric, q) in RATIOS.items():
+        values: list[float | None] = []
+        for rep in per_repeat:
+            if a not in rep or b not in rep:
+                break
+            x, y = rep[a], rep[b]
+            sick = [c for c, s in ((a, x), (b, y)) if not s["healthy"]]
+            if sick:
+                withheld[name] = f"unhealthy: {', '.join(sick)}"
+                break
+            vx, vy = x[metric][q], y[metric][q]
+            if vx is None or vy is None:
+                withheld[name] = f"too few samples for {q} (n={min(x[metric]['n'], y[metric]['n'])})"
+                break
+            values.append(vx / vy)
+        else:
+            if values:
+                out[name] = spread(values)
+    return out, withheld
+
+
+def table(summary: dict[str, dict[str, Any]]) -> str:
+    rows = []
+    for name, s in summary.items():
+        t, late, itl = s["ttft_ms"], s["late_ttft_ms"], s["itl_ms"]
+        rows.append([name, "yes" if s["healthy"] else "**no**: " + "; ".join(h["reason"] for h in s["health"]
+                                                                           if not h["healthy"]),
+                     show(t, "p50"), show(t, "p99"), show(late, "p50"), show(late, "p95"), show(late, "p99"),
+                     late["n"], show(itl, "p50"), show(itl, "p99"), show(s["e2e_ms"], "p50"), s["requests"],
+                     s["errors"], s["tokens"]["reused"], s["tokens"]["computed"],
+                     " ".join(f"{k} {v}" for k, v in sorted(s["decisions"].items()))])
+    return markdown_table(["config", "healthy", "TTFT p50", "TTFT p99", "late p50", "late p95", "late p99",
+                           "late n", "ITL p50", "ITL p99", "e2e p50", "turns", "errors", "reused", "computed",
+                           "decisions"], rows)
+
+
+def breakdown_table(steps: dict[str, dict[str, float | None]]) -> str:
+    return markdown_table(["step", "p50 ms", "p90 ms", "n"],
+                          [[k, v["p50"], v["p90"], v["n"]] for k, v in steps.items()])
+
+
+def plot(records: list[TurnRecord], gaps: dict[str, list[float]], path: Path) -> list[str]:
+    """TTFT against turn (median over conversations and repeats) and the ITL distribution per configuration."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return False
+        return []
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for config in sorted({r.config for r in records}):
         by_turn: dict[int, list[float]] = {}
@@ -370,123 +410,169 @@ def plot(records: list[TurnRecord], path: Path) -> bool:
             if r.config == config and not r.error:
                 by_turn.setdefault(r.turn, []).append(r.ttft_s * 1e3)
         turns = sorted(by_turn)
-        ax.plot(turns, [statistics.median(by_turn[t]) for t in turns], marker="o", label=config)
+        ax.plot(turns, [statistics.median(by_turn[t]) for t in turns], marker="o", markersize=3, label=config)
     ax.set_xlabel("turn")
-    ax.set_ylabel("TTFT, median over conversations (ms)")
+    ax.set_ylabel("TTFT, median over sessions (ms)")
     ax.set_yscale("log")
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-    return True
+    itl_path = path.with_name(path.stem + "-itl.png")
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for config, values in sorted(gaps.items()):
+        if values:
+            ordered = sorted(v * 1e3 for v in values)
+            shares = [(i + 1) / len(ordered) for i in range(len(ordered))]
+            ax.plot(ordered, shares, label=f"{config} (n={len(ordered)})")
+    ax.set_xscale("log")
+    ax.set_xlabel("inter-token latency (ms)")
+    ax.set_ylabel("share of gaps at or below")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(itl_path, dpi=100)
+    plt.close(fig)
+    return [str(path), str(itl_path)]
 
 
-def print_table(summary: dict[str, dict[str, Any]]) -> None:
-    print(f"\n{'config':<18} {'p50':>8} {'p95':>8} {'p99':>8} | {'late p50':>8} {'late p95':>8} {'late p99':>8} | "
-          f"{'req':>4} {'err':>4} {'reused':>8} {'computed':>9}  decisions")
-    for name, s in summary.items():
-        t, late = s["ttft_ms"], s["late_ttft_ms"]
-        print(f"{name:<18} {t['p50']!s:>8} {t['p95']!s:>8} {t['p99']!s:>8} | {late['p50']!s:>8} "
-              f"{late['p95']!s:>8} {late['p99']!s:>8} | {s['requests']:>4} {s['errors']:>4} "
-              f"{s['tokens']['reused']:>8} {s['tokens']['computed']:>9}  {s['decisions']}")
+# The command -----------------------------------------------------------------------------------------------
 
-
-async def bench(args: argparse.Namespace) -> dict[str, Any]:
-    model = await asyncio.to_thread(ensure_tiny_model, args.model)
-    spec = WorkloadSpec(conversations=args.conversations, turns_min=args.turns_min, turns_max=args.turns_max,
-                        system_tokens=args.system_tokens, own_prefix_tokens=args.own_prefix_tokens,
-                        new_min=args.new_min, new_max=args.new_max, output_tokens=args.output_tokens,
-                        think_time_s=args.think_time_s, concurrency=args.concurrency, seed=args.seed)
+def workload(args: argparse.Namespace, model: Path) -> tuple[Any, list[Conversation]]:
     if args.replay:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(str(model))
-        conversations = replay(args.replay, lambda m: tok.apply_chat_template(m, add_generation_prompt=True),
-                               limit=args.conversations)
-    else:
-        conversations = synthetic(spec)
+        spec: Any = WorkloadSpec(conversations=args.sessions, output_tokens=args.answer_tokens,
+                                 concurrency=args.concurrency, seed=args.seed)
+        return spec, replay(args.replay, lambda m: tok.apply_chat_template(m, add_generation_prompt=True),
+                            limit=args.sessions)
+    if args.workload == "long":
+        spec = WorkloadSpec(conversations=args.sessions, turns_min=args.turns_min, turns_max=args.turns_max,
+                            system_tokens=args.system_tokens, own_prefix_tokens=args.own_prefix_tokens,
+                            new_min=args.new_min, new_max=args.new_max, output_tokens=args.answer_tokens,
+                            think_time_s=args.think_time_s, concurrency=args.concurrency, seed=args.seed)
+        return spec, synthetic(spec)
+    spec = AgentSpec(sessions=args.sessions, turns_min=args.turns_min, turns_max=args.turns_max,
+                     system_tokens=args.system_tokens, tool_median=args.tool_median, tool_max=args.tool_max,
+                     answer_min=args.answer_min, answer_max=args.answer_max, think_min_s=args.think_min_s,
+                     think_max_s=args.think_max_s, concurrency=args.concurrency, seed=args.seed)
+    return spec, agent(spec)
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    started = time.monotonic()
+    model = await asyncio.to_thread(ensure_tiny_model, args.model)
     work = (args.work_dir or default_work_dir() / "bench-multiturn").absolute()
-    runs = [(name, False) for name in args.configs.split(",")]
-    if not args.no_pressure:
-        runs += [("upstream_pressure", True), ("kvloop_pressure", True)]
-    summary: dict[str, Any] = {}
-    records: list[TurnRecord] = []
-    sizes = {}
-    for name, pressure in runs:
-        size = sizing(spec, conversations, pressure)
-        sizes["pressure" if pressure else "default"] = size.notes
-        print(f"== {name}: {'retention pressure, ' if pressure else ''}engines starting", flush=True)
-        recs, tokens = await run_config(name, Path(model), work, spec, conversations, size, args.timeout_s)
-        records += recs
-        summary[name] = summarize(recs, tokens)
-    main = {k: v for k, v in summary.items() if not k.endswith("_pressure")}
-    print_table(summary)
-    ratios: dict[str, float | None] = {}
-    if "one_way" in main and "kvloop" in main:
-        ratios["one_way_over_kvloop_late_p50"] = ratio(main["one_way"], main["kvloop"], "late_ttft_ms", "p50")
-        ratios["one_way_over_kvloop_late_p99"] = ratio(main["one_way"], main["kvloop"], "late_ttft_ms", "p99")
-    if "kvloop" in main and "ideal" in main:
-        ratios["kvloop_over_ideal_late_p50"] = ratio(main["kvloop"], main["ideal"], "late_ttft_ms", "p50")
-    if "upstream" in main and "kvloop" in main:
-        ratios["upstream_over_kvloop_late_p50"] = ratio(main["upstream"], main["kvloop"], "late_ttft_ms", "p50")
-        ratios["upstream_over_kvloop_late_p99"] = ratio(main["upstream"], main["kvloop"], "late_ttft_ms", "p99")
-    if "upstream_pressure" in summary and "kvloop_pressure" in summary:
-        up, kv = summary["upstream_pressure"], summary["kvloop_pressure"]
-        ratios["pressure_upstream_over_kvloop_late_p50"] = ratio(up, kv, "late_ttft_ms", "p50")
-        ratios["pressure_upstream_over_kvloop_late_p99"] = ratio(up, kv, "late_ttft_ms", "p99")
-    print("\nratios: " + ", ".join(f"{k} {v}" for k, v in ratios.items()))
-    result: dict[str, Any] = {"configs": summary, "ratios": ratios,
-              "workload": {**describe(spec, conversations), "replay": str(args.replay) if args.replay else None,
-                           "sizing": sizes, "late_turn_tokens": LATE_TOKENS,
-                           "ttft": "client-side, to the first streamed token; upstream cannot stream (see docs)"},
-              "machine": {"cpus": len(os.sched_getaffinity(0)), "model": str(model)},
-              "turns": [vars(r) for r in records]}
-    result["_records"] = records
-    return result
+    names = [n for n in args.configs.split(",") if n] + (list(PRESSURE) if args.pressure else [])
+    per_repeat: list[dict[str, dict[str, Any]]] = []
+    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    shape: dict[str, Any] = {}
+    sizes: dict[str, Any] = {}
+    for repeat in range(args.repeat):
+        seed_args = argparse.Namespace(**{**vars(args), "seed": args.seed + repeat})
+        spec, conversations = workload(seed_args, model)
+        shape = describe(spec, conversations, args.answer_tokens, args.late_tokens)
+        print(f"== repeat {repeat + 1}/{args.repeat}: {shape['sessions']} sessions, {shape['turns_total']} turns, "
+              f"contexts {shape['context_tokens']['min']}-{shape['context_tokens']['max']} tokens, "
+              f"{shape['late_turns']} late (>= {args.late_tokens})", flush=True)
+        this: dict[str, dict[str, Any]] = {}
+        for name in names:
+            pressure = name in PRESSURE
+            size = sizing(conversations, args.answer_tokens, args.concurrency, pressure)
+            sizes["pressure" if pressure else "default"] = size.notes
+            print(f"== {name}: engines starting", flush=True)
+            run = await run_config(name, repeat, model, work, conversations, size, args)
+            runs[name].append(run)
+            this[name] = summarize(name, [run], args.late_tokens)
+            h = this[name]["health"][0]
+            print(f"   {name}: {run['seconds']:.0f} s, {'healthy' if h['healthy'] else 'UNHEALTHY'} ({h['reason']})",
+                  flush=True)
+        per_repeat.append(this)
+    summary = {name: summarize(name, runs[name], args.late_tokens) for name in names}
+    ratio_spreads, withheld = ratios(per_repeat)
+    markdown = table(summary)
+    print("\n" + markdown)
+    if "kvloop" in summary and summary["kvloop"].get("breakdown"):
+        print("\nkvloop: where a turn's time to first token went\n\n" + breakdown_table(summary["kvloop"]["breakdown"]))
+    print("\nratios (median [min, max] over repeats): " + ", ".join(
+        f"{k} {v['median']} [{v['min']}, {v['max']}]" for k, v in ratio_spreads.items()))
+    if withheld:
+        print("withheld: " + "; ".join(f"{k}: {v}" for k, v in withheld.items()))
+    wall = time.monotonic() - started
+    print(f"\nwall time {wall / 60:.1f} min", flush=True)
+    records = [r for name in names for run in runs[name] for r in run["records"]]
+    return {"configs": summary, "ratios": {k: v["median"] for k, v in ratio_spreads.items()},
+            "ratio_spreads": ratio_spreads, "withheld_ratios": withheld, "markdown": markdown,
+            "workload": {**shape, "sizing": sizes, "late_turn_tokens": args.late_tokens, "repeats": args.repeat,
+                         "replay": str(args.replay) if args.replay else None,
+                         "ttft": "client-side, to the first streamed token; upstream cannot stream (whole answer), "
+                                 "its prefill-side TTFT is prefill_ttft_ms"},
+            "engines": {"baseline_connector": BASELINE_EXTRA, "upstream_connector": UPSTREAM_EXTRA,
+                        "cores": {"prefill": role_cores("prefill"), "decode": role_cores("decode"),
+                                  "ideal": "auto", "ideal_same_cores": role_cores("decode")},
+                        "health": {"factor": HEALTH_FACTOR, "turn_overhead_s": TURN_OVERHEAD_S,
+                                   "stall_s": STALL_S}},
+            "machine": {"cpus": len(os.sched_getaffinity(0)), "model": str(model)},
+            "wall_seconds": round(wall, 1), "turns": [asdict(r) for r in records],
+            "_records": records, "_gaps": {n: [g for run in runs[n] for g in run["gaps"]] for n in names}}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = WorkloadSpec()
+    a = AgentSpec()
     parser.add_argument("--model", type=Path, default=None, help="model directory (default: the tiny model)")
-    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated, from " + ",".join(CONFIGS))
-    parser.add_argument("--no-pressure", action="store_true", help="skip the retention-pressure scenario")
-    parser.add_argument("--conversations", type=int, default=d.conversations)
-    parser.add_argument("--turns-min", type=int, default=d.turns_min)
-    parser.add_argument("--turns-max", type=int, default=d.turns_max)
-    parser.add_argument("--system-tokens", type=int, default=d.system_tokens)
-    parser.add_argument("--own-prefix-tokens", type=int, default=d.own_prefix_tokens)
-    parser.add_argument("--new-min", type=int, default=d.new_min)
-    parser.add_argument("--new-max", type=int, default=d.new_max)
-    parser.add_argument("--output-tokens", type=int, default=d.output_tokens)
-    parser.add_argument("--think-time-s", type=float, default=d.think_time_s)
-    parser.add_argument("--concurrency", type=int, default=d.concurrency)
-    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help="comma-separated, from "
+                        + ",".join(CONFIGS))
+    parser.add_argument("--pressure", action=argparse.BooleanOptionalAction, default=False,
+                        help="also the retention-pressure scenario (upstream and kvloop with a decode engine that "
+                             "retains about half the working set)")
+    parser.add_argument("--repeat", type=int, default=1, help="run every configuration N times (seed, seed+1, ...)")
+    parser.add_argument("--workload", choices=("agent", "long"), default="agent",
+                        help="agent sessions that start small and grow (default), or long chats that start big")
+    parser.add_argument("--sessions", type=int, default=a.sessions)
+    parser.add_argument("--turns-min", type=int, default=a.turns_min)
+    parser.add_argument("--turns-max", type=int, default=a.turns_max)
+    parser.add_argument("--system-tokens", type=int, default=a.system_tokens)
+    parser.add_argument("--tool-median", type=int, default=a.tool_median, help="agent: median tool-output tokens")
+    parser.add_argument("--tool-max", type=int, default=a.tool_max, help="agent: longest tool output")
+    parser.add_argument("--answer-min", type=int, default=a.answer_min)
+    parser.add_argument("--answer-max", type=int, default=a.answer_max)
+    parser.add_argument("--think-min-s", type=float, default=a.think_min_s)
+    parser.add_argument("--think-max-s", type=float, default=a.think_max_s)
+    parser.add_argument("--own-prefix-tokens", type=int, default=6000, help="long: each chat's own first prompt")
+    parser.add_argument("--new-min", type=int, default=100, help="long: new tokens per turn, at least")
+    parser.add_argument("--new-max", type=int, default=200, help="long: new tokens per turn, at most")
+    parser.add_argument("--answer-tokens", type=int, default=32, help="long and replay: answer tokens per turn")
+    parser.add_argument("--think-time-s", type=float, default=0.0, help="long and replay: pause between turns")
+    parser.add_argument("--concurrency", type=int, default=a.concurrency, help="sessions in flight at once")
+    parser.add_argument("--late-tokens", type=int, default=LATE_TOKENS, help="a turn is late from this context")
+    parser.add_argument("--seed", type=int, default=a.seed)
     parser.add_argument("--replay", type=Path, default=None, help="JSONL of OpenAI chat conversations to replay")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="per request; past it the turn is an error")
     parser.add_argument("--work-dir", type=Path, default=None)
-    parser.add_argument("--out", type=Path, default=None, help="write the JSON figures here (and a PNG beside it)")
+    parser.add_argument("--out", type=Path, default=None, help="write the JSON figures here (and PNGs beside it)")
     parser.add_argument("--plot", type=Path, default=None, help="PNG of TTFT against turn (default: beside --out)")
 
 
 def main(args: argparse.Namespace) -> int:
-    unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
-    if unknown:
-        print(f"kvloop bench multiturn: --configs: unknown {unknown}; choose from {list(CONFIGS)}", file=sys.stderr)
+    unknown = [c for c in args.configs.split(",") if c and c not in CONFIGS]
+    if unknown or args.repeat < 1:
+        print(f"kvloop bench multiturn: --configs: unknown {unknown}; choose from {list(CONFIGS)}" if unknown else
+              "kvloop bench multiturn: --repeat must be at least 1", file=sys.stderr)
         return 2
     try:
-        replace(WorkloadSpec(), conversations=args.conversations, turns_min=args.turns_min,
-                turns_max=args.turns_max, new_min=args.new_min, new_max=args.new_max,
-                output_tokens=args.output_tokens, concurrency=args.concurrency).validate()
+        workload(args, Path("."))[0].validate() if not args.replay else None
     except ValueError as exc:
         print(f"kvloop bench multiturn: {exc}", file=sys.stderr)
         return 2
     result = asyncio.run(bench(args))
-    records = result.pop("_records")
+    records, gaps = result.pop("_records"), result.pop("_gaps")
     png = Path(args.plot) if args.plot else (Path(args.out).with_suffix(".png") if args.out else None)
-    if png is not None and plot(records, png):
-        print(f"wrote {png}")
-        result["plot"] = str(png)
+    if png is not None:
+        result["plots"] = plot(records, gaps, png)
+        for p in result["plots"]:
+            print(f"wrote {p}")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
         print(f"wrote {args.out}")

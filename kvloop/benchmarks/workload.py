@@ -1,16 +1,19 @@
-"""Multi-turn workloads for ``kvloop bench multiturn``: a seeded synthetic agent generator shaped like vLLM's
-multi-turn benchmark, and a replay of a JSONL file of OpenAI chat conversations. Pure data, no I/O besides
-reading the replay file.
+"""Multi-turn workloads for ``kvloop bench multiturn``, seeded, as token ids (every configuration sees exactly
+the same prompts). Pure data, no I/O besides reading a replay file.
 
-Synthetic: ``conversations`` conversations of ``turns_min``..``turns_max`` turns; every conversation starts
-with the same ``system_tokens`` shared prefix, then its own ``own_prefix_tokens`` (a long task description,
-a file it read); each turn adds ``new_min``..``new_max`` tokens (a tool result, a question) and asks for
-``output_tokens``. Token ids, not text, so every configuration sees exactly the same prompts.
+- :func:`agent` (the default, :class:`AgentSpec`): agent sessions. One shared system prompt (tools,
+  instructions); each session starts with a short task and grows over ``turns_min``..``turns_max`` turns, each
+  adding a tool output whose length has a heavy tail (log-normal, clipped) and a short instruction, and asking
+  for an answer of ``answer_min``..``answer_max`` tokens; the agent thinks (runs its tool) between turns.
+- :func:`synthetic` (:class:`WorkloadSpec`): long-context chats that start big (a large own prefix) and add a
+  small tail each turn, shaped like vLLM's multi-turn benchmark.
+- :func:`replay`: a JSONL file of OpenAI chat conversations, tokenized by the served model's chat template.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -43,6 +46,43 @@ class WorkloadSpec:
             raise ValueError("system_tokens, own_prefix_tokens and think_time_s must be >= 0")
 
 
+@dataclass(frozen=True)
+class AgentSpec:
+    sessions: int = 6
+    turns_min: int = 16
+    turns_max: int = 30
+    system_tokens: int = 1500
+    task_min: int = 40
+    task_max: int = 200
+    tool_median: int = 150
+    """Median tool-output tokens; log-normal with ``tool_sigma``, clipped to ``tool_min``..``tool_max``."""
+    tool_sigma: float = 1.0
+    tool_min: int = 10
+    tool_max: int = 1500
+    instruction_min: int = 10
+    instruction_max: int = 40
+    answer_min: int = 32
+    answer_max: int = 256
+    think_min_s: float = 0.2
+    think_max_s: float = 1.5
+    concurrency: int = 3
+    """Sessions in flight at once (each session's turns are sequential)."""
+    seed: int = 0
+    vocab: tuple[int, int] = (300, 4000)
+
+    def validate(self) -> None:
+        for name in ("sessions", "turns_min", "answer_min", "concurrency", "tool_min", "instruction_min"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be at least 1 (got {getattr(self, name)})")
+        for low, high in (("turns_min", "turns_max"), ("task_min", "task_max"), ("tool_min", "tool_max"),
+                          ("instruction_min", "instruction_max"), ("answer_min", "answer_max"),
+                          ("think_min_s", "think_max_s")):
+            if getattr(self, high) < getattr(self, low):
+                raise ValueError(f"{high}: must be at least {low}")
+        if self.system_tokens < 0 or self.think_min_s < 0 or self.tool_sigma < 0:
+            raise ValueError("system_tokens, think_min_s and tool_sigma must be >= 0")
+
+
 @dataclass
 class Conversation:
     conversation_id: str
@@ -50,10 +90,50 @@ class Conversation:
     """The first turn's prompt before its new tokens: shared system prefix plus this conversation's own."""
     new_tokens: list[list[int]] = field(default_factory=list)
     """Per turn, the tokens the user (or a tool) adds."""
+    answer_tokens: list[int] = field(default_factory=list)
+    """Per turn, the answer's length (generated with ``ignore_eos``); empty: the spec's ``output_tokens``."""
+    think_s: list[float] = field(default_factory=list)
+    """Per turn, the pause after its answer (the agent's tool run); empty: the spec's ``think_time_s``."""
 
     @property
     def turns(self) -> int:
         return len(self.new_tokens)
+
+    def answer(self, turn: int, default: int) -> int:
+        return self.answer_tokens[turn] if self.answer_tokens else default
+
+    def think(self, turn: int, default: float) -> float:
+        return self.think_s[turn] if self.think_s else default
+
+    def context_tokens(self, turn: int, default_answer: int) -> int:
+        """The prompt length of ``turn`` (0-based): prefix, every earlier turn's new tokens and answer, its own."""
+        return len(self.prefix) + sum(len(n) for n in self.new_tokens[: turn + 1]) + sum(
+            self.answer(i, default_answer) for i in range(turn))
+
+
+def agent(spec: AgentSpec) -> list[Conversation]:
+    spec.validate()
+    rng = random.Random(spec.seed)
+    low, high = spec.vocab
+
+    def draw(n: int) -> list[int]:
+        return [rng.randrange(low, high) for _ in range(n)]
+
+    system = draw(spec.system_tokens)
+    out = []
+    mu = math.log(spec.tool_median)
+    for i in range(spec.sessions):
+        conv = Conversation(f"agent-{i}", system + draw(rng.randint(spec.task_min, spec.task_max)))
+        for turn in range(rng.randint(spec.turns_min, spec.turns_max)):
+            instruction = draw(rng.randint(spec.instruction_min, spec.instruction_max))
+            # The first turn is the task itself; later turns each bring a tool's output.
+            tool = 0 if turn == 0 else min(spec.tool_max, max(spec.tool_min,
+                                                               round(rng.lognormvariate(mu, spec.tool_sigma))))
+            conv.new_tokens.append(draw(tool) + instruction)
+            conv.answer_tokens.append(rng.randint(spec.answer_min, spec.answer_max))
+            conv.think_s.append(round(rng.uniform(spec.think_min_s, spec.think_max_s), 3))
+        out.append(conv)
+    return out
 
 
 def synthetic(spec: WorkloadSpec) -> list[Conversation]:
@@ -104,7 +184,12 @@ def replay(path: Path, tokenize: Any, limit: int = 0) -> list[Conversation]:
     return out
 
 
-def describe(spec: WorkloadSpec, conversations: list[Conversation]) -> dict[str, Any]:
-    longest = max((len(c.prefix) + sum(map(len, c.new_tokens)) for c in conversations), default=0)
-    return {**asdict(spec), "vocab": list(spec.vocab), "turns_total": sum(c.turns for c in conversations),
-            "longest_prompt_tokens_without_outputs": longest}
+def describe(spec: AgentSpec | WorkloadSpec, conversations: list[Conversation], answer: int,
+             late_tokens: int) -> dict[str, Any]:
+    """The workload's shape, for the JSON: the spec, turns, context lengths, late turns."""
+    contexts = [c.context_tokens(t, answer) for c in conversations for t in range(c.turns)]
+    return {"kind": type(spec).__name__, "spec": {**asdict(spec), "vocab": list(spec.vocab)},
+            "sessions": len(conversations), "turns_total": len(contexts),
+            "context_tokens": {"min": min(contexts, default=0), "max": max(contexts, default=0),
+                               "median": sorted(contexts)[len(contexts) // 2] if contexts else 0},
+            "late_tokens": late_tokens, "late_turns": sum(1 for c in contexts if c >= late_tokens)}
