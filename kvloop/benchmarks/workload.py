@@ -48,8 +48,8 @@ class WorkloadSpec:
 
 @dataclass(frozen=True)
 class AgentSpec:
-    sessions: int = 6
-    turns_min: int = 16
+    sessions: int = 8
+    turns_min: int = 20
     turns_max: int = 30
     system_tokens: int = 1500
     task_min: int = 40
