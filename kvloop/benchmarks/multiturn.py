@@ -395,7 +395,7 @@ def breakdown_table(steps: dict[str, dict[str, float | None]]) -> str:
 
 
 def plot(records: list[TurnRecord], gaps: dict[str, list[float]], path: Path) -> list[str]:
-    """TTFT against turn (median over conversations and repeats) and the ITL distribution per configuration."""
+    """TTFT against turn (median over sessions and repeats), and the ITL distribution, per configuration."""
     try:
         import matplotlib
 
@@ -403,37 +403,30 @@ def plot(records: list[TurnRecord], gaps: dict[str, list[float]], path: Path) ->
         import matplotlib.pyplot as plt
     except ImportError:
         return []
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for config in sorted({r.config for r in records}):
-        by_turn: dict[int, list[float]] = {}
-        for r in records:
-            if r.config == config and not r.error:
-                by_turn.setdefault(r.turn, []).append(r.ttft_s * 1e3)
-        turns = sorted(by_turn)
-        ax.plot(turns, [statistics.median(by_turn[t]) for t in turns], marker="o", markersize=3, label=config)
-    ax.set_xlabel("turn")
-    ax.set_ylabel("TTFT, median over sessions (ms)")
-    ax.set_yscale("log")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
     itl_path = path.with_name(path.stem + "-itl.png")
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for config, values in sorted(gaps.items()):
-        if values:
-            ordered = sorted(v * 1e3 for v in values)
-            shares = [(i + 1) / len(ordered) for i in range(len(ordered))]
-            ax.plot(ordered, shares, label=f"{config} (n={len(ordered)})")
-    ax.set_xscale("log")
-    ax.set_xlabel("inter-token latency (ms)")
-    ax.set_ylabel("share of gaps at or below")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(itl_path, dpi=100)
-    plt.close(fig)
+    for out, xlabel, ylabel, log_axis in ((path, "turn", "TTFT, median over sessions (ms)", "y"),
+                                          (itl_path, "inter-token latency (ms)", "share of gaps at or below", "x")):
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        for config in sorted({r.config for r in records}):
+            if out == path:
+                by_turn: dict[int, list[float]] = {}
+                for r in records:
+                    if r.config == config and not r.error:
+                        by_turn.setdefault(r.turn, []).append(r.ttft_s * 1e3)
+                turns = sorted(by_turn)
+                ax.plot(turns, [statistics.median(by_turn[t]) for t in turns], marker="o", markersize=3, label=config)
+            elif gaps.get(config):
+                ordered = sorted(v * 1e3 for v in gaps[config])
+                ax.plot(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))],
+                        label=f"{config} (n={len(ordered)})")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        (ax.set_yscale if log_axis == "y" else ax.set_xscale)("log")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out, dpi=100)
+        plt.close(fig)
     return [str(path), str(itl_path)]
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -111,14 +112,16 @@ class Conversation:
             self.answer(i, default_answer) for i in range(turn))
 
 
+def _tokens(rng: random.Random, vocab: tuple[int, int]) -> Callable[[int], list[int]]:
+    """``draw(n)``: n token ids from ``vocab``, from ``rng`` (every draw advances the one seeded stream)."""
+    low, high = vocab
+    return lambda n: [rng.randrange(low, high) for _ in range(n)]
+
+
 def agent(spec: AgentSpec) -> list[Conversation]:
     spec.validate()
     rng = random.Random(spec.seed)
-    low, high = spec.vocab
-
-    def draw(n: int) -> list[int]:
-        return [rng.randrange(low, high) for _ in range(n)]
-
+    draw = _tokens(rng, spec.vocab)
     system = draw(spec.system_tokens)
     out = []
     mu = math.log(spec.tool_median)
@@ -139,11 +142,7 @@ def agent(spec: AgentSpec) -> list[Conversation]:
 def synthetic(spec: WorkloadSpec) -> list[Conversation]:
     spec.validate()
     rng = random.Random(spec.seed)
-    low, high = spec.vocab
-
-    def draw(n: int) -> list[int]:
-        return [rng.randrange(low, high) for _ in range(n)]
-
+    draw = _tokens(rng, spec.vocab)
     system = draw(spec.system_tokens)
     out = []
     for i in range(spec.conversations):
