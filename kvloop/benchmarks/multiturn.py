@@ -463,6 +463,31 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     shape: dict[str, Any] = {}
     sizes: dict[str, Any] = {}
+
+    def result(partial: bool) -> dict[str, Any]:
+        """The figures so far: every finished configuration run; ratios over the finished repeats only."""
+        done = [n for n in names if runs[n]]
+        summary = {name: summarize(name, runs[name], args.late_tokens) for name in done}
+        ratio_spreads, withheld = ratios(per_repeat)
+        records = [r for name in done for run in runs[name] for r in run["records"]]
+        gaps = {n: [g for run in runs[n] for g in run["gaps"]] for n in done}
+        return {"partial": partial, "repeats_done": len(per_repeat), "configs": summary,
+                "ratios": {k: v["median"] for k, v in ratio_spreads.items()}, "ratio_spreads": ratio_spreads,
+                "withheld_ratios": withheld, "markdown": table(summary),
+                "workload": {**shape, "sizing": sizes, "late_turn_tokens": args.late_tokens, "repeats": args.repeat,
+                             "replay": str(args.replay) if args.replay else None,
+                             "ttft": "client-side, to the first streamed token; upstream cannot stream (whole "
+                                     "answer), its prefill-side TTFT is prefill_ttft_ms"},
+                "engines": {"baseline_connector": BASELINE_EXTRA, "upstream_connector": UPSTREAM_EXTRA,
+                            "cores": {"prefill": role_cores("prefill"), "decode": role_cores("decode"),
+                                      "ideal": "auto", "ideal_same_cores": role_cores("decode")},
+                            "health": {"factor": HEALTH_FACTOR, "turn_overhead_s": TURN_OVERHEAD_S,
+                                       "stall_s": STALL_S}},
+                "machine": {"cpus": len(os.sched_getaffinity(0)), "model": str(model)},
+                "wall_seconds": round(time.monotonic() - started, 1), "turns": [asdict(r) for r in records],
+                "itl_gaps_ms": {n: [round(g * 1e3, 2) for g in v] for n, v in gaps.items()},
+                "_records": records, "_gaps": gaps}
+
     for repeat in range(args.repeat):
         seed_args = argparse.Namespace(**{**vars(args), "seed": args.seed + repeat})
         spec, conversations = workload(seed_args, model)
@@ -482,34 +507,24 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             h = this[name]["health"][0]
             print(f"   {name}: {run['seconds']:.0f} s, {'healthy' if h['healthy'] else 'UNHEALTHY'} ({h['reason']})",
                   flush=True)
+            if args.out:  # a run stopped early keeps what it measured
+                write_json(Path(args.out), result(partial=True))
         per_repeat.append(this)
-    summary = {name: summarize(name, runs[name], args.late_tokens) for name in names}
-    ratio_spreads, withheld = ratios(per_repeat)
-    markdown = table(summary)
-    print("\n" + markdown)
-    if "kvloop" in summary and summary["kvloop"].get("breakdown"):
-        print("\nkvloop: where a turn's time to first token went\n\n" + breakdown_table(summary["kvloop"]["breakdown"]))
+    final = result(partial=False)
+    print("\n" + final["markdown"])
+    breakdown_steps = final["configs"].get("kvloop", {}).get("breakdown")
+    if breakdown_steps:
+        print("\nkvloop: where a turn's time to first token went\n\n" + breakdown_table(breakdown_steps))
     print("\nratios (median [min, max] over repeats): " + ", ".join(
-        f"{k} {v['median']} [{v['min']}, {v['max']}]" for k, v in ratio_spreads.items()))
-    if withheld:
-        print("withheld: " + "; ".join(f"{k}: {v}" for k, v in withheld.items()))
-    wall = time.monotonic() - started
-    print(f"\nwall time {wall / 60:.1f} min", flush=True)
-    records = [r for name in names for run in runs[name] for r in run["records"]]
-    return {"configs": summary, "ratios": {k: v["median"] for k, v in ratio_spreads.items()},
-            "ratio_spreads": ratio_spreads, "withheld_ratios": withheld, "markdown": markdown,
-            "workload": {**shape, "sizing": sizes, "late_turn_tokens": args.late_tokens, "repeats": args.repeat,
-                         "replay": str(args.replay) if args.replay else None,
-                         "ttft": "client-side, to the first streamed token; upstream cannot stream (whole answer), "
-                                 "its prefill-side TTFT is prefill_ttft_ms"},
-            "engines": {"baseline_connector": BASELINE_EXTRA, "upstream_connector": UPSTREAM_EXTRA,
-                        "cores": {"prefill": role_cores("prefill"), "decode": role_cores("decode"),
-                                  "ideal": "auto", "ideal_same_cores": role_cores("decode")},
-                        "health": {"factor": HEALTH_FACTOR, "turn_overhead_s": TURN_OVERHEAD_S,
-                                   "stall_s": STALL_S}},
-            "machine": {"cpus": len(os.sched_getaffinity(0)), "model": str(model)},
-            "wall_seconds": round(wall, 1), "turns": [asdict(r) for r in records],
-            "_records": records, "_gaps": {n: [g for run in runs[n] for g in run["gaps"]] for n in names}}
+        f"{k} {v['median']} [{v['min']}, {v['max']}]" for k, v in final["ratio_spreads"].items()))
+    if final["withheld_ratios"]:
+        print("withheld: " + "; ".join(f"{k}: {v}" for k, v in final["withheld_ratios"].items()))
+    print(f"\nwall time {final['wall_seconds'] / 60:.1f} min", flush=True)
+    return final
+
+
+def write_json(path: Path, result: dict[str, Any]) -> None:
+    path.write_text(json.dumps({k: v for k, v in result.items() if not k.startswith("_")}, indent=2))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -560,13 +575,13 @@ def main(args: argparse.Namespace) -> int:
         print(f"kvloop bench multiturn: {exc}", file=sys.stderr)
         return 2
     result = asyncio.run(bench(args))
-    records, gaps = result.pop("_records"), result.pop("_gaps")
+    records, gaps = result["_records"], result["_gaps"]
     png = Path(args.plot) if args.plot else (Path(args.out).with_suffix(".png") if args.out else None)
     if png is not None:
         result["plots"] = plot(records, gaps, png)
         for p in result["plots"]:
             print(f"wrote {p}")
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2))
+        write_json(Path(args.out), result)
         print(f"wrote {args.out}")
     return 0
