@@ -227,13 +227,16 @@ async def run_workload(config: str, repeat: int, client: Client, conversations: 
     return records, gaps
 
 
-def engine_snapshot(urls: list[str]) -> dict[str, float]:
-    """The figures the health check and the token counts need, summed over the engines."""
+def engine_snapshot(urls: list[str], token_urls: list[str]) -> dict[str, float]:
+    """The figures the health check needs, summed over the engines, and the prompt tokens by source over the
+    engines that serve prompts (``token_urls``: prefill and aggregated engines; a decode engine's whole-prompt
+    read from its prefill engine is the P/D hand-off, not reuse)."""
     totals: dict[str, float] = {}
     for url in urls:
         samples = read_metrics(url)
-        for source, value in metric_by_label(samples, "vllm:prompt_tokens_by_source_total", "source").items():
-            totals[f"tokens.{source}"] = totals.get(f"tokens.{source}", 0.0) + value
+        if url in token_urls:
+            for source, value in metric_by_label(samples, "vllm:prompt_tokens_by_source_total", "source").items():
+                totals[f"tokens.{source}"] = totals.get(f"tokens.{source}", 0.0) + value
         for name in ("vllm:request_prefill_time_seconds_sum", "vllm:request_queue_time_seconds_sum"):
             totals[name] = totals.get(name, 0.0) + metric_total(samples, name)
         totals["stalled"] = totals.get("stalled", 0.0) + requests_above(samples, "vllm:request_queue_time_seconds",
@@ -246,14 +249,15 @@ async def run_config(name: str, repeat: int, model: Path, work: Path, conversati
     engines, cluster = await start_config(name, model, work / f"{name}-{repeat}", size, args.timeout_s)
     try:
         urls = [e.url for e in engines]
-        before = await asyncio.to_thread(engine_snapshot, urls)
+        serving = [e.url for e in engines if e.plan.config.role != "decode"]
+        before = await asyncio.to_thread(engine_snapshot, urls, serving)
         t0 = time.monotonic()
         async with aiohttp.ClientSession(connector=engine_client_connector(64)) as http:
             client = client_for(name, http, model.name, args.timeout_s, engines, cluster)
             records, gaps = await run_workload(name, repeat, client, conversations, args.answer_tokens,
                                                args.think_time_s, args.concurrency)
         seconds = time.monotonic() - t0
-        after = await asyncio.to_thread(engine_snapshot, urls)
+        after = await asyncio.to_thread(engine_snapshot, urls, serving)
     finally:
         if cluster is not None:
             await cluster.stop()
