@@ -5,8 +5,8 @@ certificate signed by ``tls_ca`` before a handler runs. What is left is authoriz
 caller's certificate carries (its subject CN and every SAN, :func:`kvloop.shared.tls.peer_names`):
 
 - **Engine RPCs** act for one engine: ``RegisterEngine`` (``engine.engine_id``), ``KeepAlive``,
-  ``DeregisterEngine``, ``PublishLease``, ``WatchEvictions`` (``engine_id``), and ``RenewLease`` /
-  ``ReleaseLease`` (for the engine that owns ``lease_id``). The caller must carry the name
+  ``DeregisterEngine``, ``PublishLease``, ``WatchEvictions``, ``ReportCacheEvents`` (``engine_id``), and
+  ``RenewLease`` / ``ReleaseLease`` (for the engine that owns ``lease_id``). The caller must carry the name
   ``engine_identity`` with ``{engine_id}`` replaced (by default the engine id itself, as CN or SAN), and,
   when ``allowed_engines`` is set, the engine id must be on that list (engines not registered with the
   operator are refused even with a valid certificate). So a sidecar can register, publish and release only
@@ -35,6 +35,7 @@ ENGINE_RPCS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "DeregisterEngine": ("engine_id", lambda r: r.engine_id),
     "PublishLease": ("engine_id", lambda r: r.engine_id),
     "WatchEvictions": ("engine_id", lambda r: r.engine_id),
+    "ReportCacheEvents": ("engine_id", lambda r: r.engine_id),
 }
 LEASE_RPCS: dict[str, Callable[[Any], str]] = {
     "RenewLease": lambda r: r.lease_id,

@@ -26,7 +26,8 @@ _ROLE_FROM_PB: dict[int, Role] = {pb.ENGINE_ROLE_PREFILL: Role.PREFILL, pb.ENGIN
                  pb.ENGINE_ROLE_BOTH: Role.BOTH}
 _ROLE_TO_PB: dict[Role, Any] = {v: k for k, v in _ROLE_FROM_PB.items()}
 _DECISION_TO_PB = {Decision.RECOMPUTE: pb.DECISION_RECOMPUTE, Decision.TRANSFER: pb.DECISION_TRANSFER,
-                   Decision.LOCAL: pb.DECISION_LOCAL}
+                   Decision.PREFILL_LOCAL: pb.DECISION_PREFILL_LOCAL,
+                   Decision.DECODE_LOCAL: pb.DECISION_DECODE_LOCAL}
 _REASON_TO_PB = {
     EvictionReason.BUDGET: pb.EVICTION_REASON_BUDGET,
     EvictionReason.MEMORY_PRESSURE: pb.EVICTION_REASON_MEMORY_PRESSURE,

@@ -23,7 +23,8 @@ class Role(enum.Enum):
 class Decision(enum.Enum):
     RECOMPUTE = "RECOMPUTE"
     TRANSFER = "TRANSFER"
-    LOCAL = "LOCAL"
+    PREFILL_LOCAL = "PREFILL_LOCAL"
+    DECODE_LOCAL = "DECODE_LOCAL"
 
 
 class EvictionReason(enum.Enum):

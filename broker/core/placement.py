@@ -5,7 +5,7 @@ Pure function of the request, the index's matches and the engines' reported figu
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvloop.broker.core.index import Match
@@ -77,8 +77,10 @@ def place(
     matches: Sequence[Match],
     policy: PlacementPolicy,
     session_engine_id: str = "",
+    cached: Mapping[str, int] | None = None,
 ) -> Plan:
-    """``engines`` are the live engines; ``matches`` come from the index (any engine)."""
+    """``engines`` are the live engines; ``matches`` come from the lease index (any engine); ``cached`` is, per
+    engine id, how many leading blocks of ``request.keys`` the engine's own prefix cache holds (the soft index)."""
     fit = [
         e for e in engines
         if e.info.layout_fingerprint == request.layout_fingerprint and e.info.block_size == request.block_size
@@ -118,7 +120,7 @@ def place(
     elif matched_tokens < policy.threshold_tokens:
         decision, reason = Decision.RECOMPUTE, "below_threshold"
     elif source.info.engine_id == prefill.info.engine_id:
-        decision, reason = Decision.LOCAL, "local_prefix"
+        decision, reason = Decision.PREFILL_LOCAL, "local_prefix"
     else:
         cost = estimate_cost(matched, request.block_size, source, prefill, policy)
         if cost.transfer_s < cost.recompute_s:

@@ -19,7 +19,8 @@ class Decision(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DECISION_UNSPECIFIED: _ClassVar[Decision]
     DECISION_RECOMPUTE: _ClassVar[Decision]
     DECISION_TRANSFER: _ClassVar[Decision]
-    DECISION_LOCAL: _ClassVar[Decision]
+    DECISION_PREFILL_LOCAL: _ClassVar[Decision]
+    DECISION_DECODE_LOCAL: _ClassVar[Decision]
 
 class EvictionReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -38,7 +39,8 @@ ENGINE_ROLE_BOTH: EngineRole
 DECISION_UNSPECIFIED: Decision
 DECISION_RECOMPUTE: Decision
 DECISION_TRANSFER: Decision
-DECISION_LOCAL: Decision
+DECISION_PREFILL_LOCAL: Decision
+DECISION_DECODE_LOCAL: Decision
 EVICTION_REASON_UNSPECIFIED: EvictionReason
 EVICTION_REASON_BUDGET: EvictionReason
 EVICTION_REASON_MEMORY_PRESSURE: EvictionReason
@@ -275,37 +277,47 @@ class CompleteTransferResponse(_message.Message):
     def __init__(self, lease_expires_at_unix: _Optional[float] = ...) -> None: ...
 
 class PlaceRequest(_message.Message):
-    __slots__ = ("session_id", "block_keys", "num_tokens", "layout_fingerprint", "block_size")
+    __slots__ = ("session_id", "block_keys", "num_tokens", "layout_fingerprint", "block_size", "pin")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PIN_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     block_keys: _containers.RepeatedScalarFieldContainer[bytes]
     num_tokens: int
     layout_fingerprint: str
     block_size: int
-    def __init__(self, session_id: _Optional[str] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
+    pin: bool
+    def __init__(self, session_id: _Optional[str] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., pin: _Optional[bool] = ...) -> None: ...
 
 class CostEstimate(_message.Message):
-    __slots__ = ("transfer_s", "recompute_s", "bandwidth_bytes_per_s", "prefill_tokens_per_s", "bytes_per_block", "measured")
+    __slots__ = ("transfer_s", "recompute_s", "bandwidth_bytes_per_s", "prefill_tokens_per_s", "bytes_per_block", "measured", "decode_local_s", "prefill_local_s", "transfer_path_s", "recompute_path_s")
     TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     MEASURED_FIELD_NUMBER: _ClassVar[int]
+    DECODE_LOCAL_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_LOCAL_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_PATH_S_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_PATH_S_FIELD_NUMBER: _ClassVar[int]
     transfer_s: float
     recompute_s: float
     bandwidth_bytes_per_s: float
     prefill_tokens_per_s: float
     bytes_per_block: int
     measured: bool
-    def __init__(self, transfer_s: _Optional[float] = ..., recompute_s: _Optional[float] = ..., bandwidth_bytes_per_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., bytes_per_block: _Optional[int] = ..., measured: _Optional[bool] = ...) -> None: ...
+    decode_local_s: float
+    prefill_local_s: float
+    transfer_path_s: float
+    recompute_path_s: float
+    def __init__(self, transfer_s: _Optional[float] = ..., recompute_s: _Optional[float] = ..., bandwidth_bytes_per_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., bytes_per_block: _Optional[int] = ..., measured: _Optional[bool] = ..., decode_local_s: _Optional[float] = ..., prefill_local_s: _Optional[float] = ..., transfer_path_s: _Optional[float] = ..., recompute_path_s: _Optional[float] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("decision", "reason", "source_engine_id", "source_addresses", "source_lease_id", "source_block_ids", "matched_blocks", "matched_tokens", "recompute_tokens", "prompt_blocks", "threshold_tokens", "cost", "prefill_engine_id", "prefill_addresses", "decode_engine_id", "decode_addresses", "decode_sticky", "session_id", "candidates", "error")
+    __slots__ = ("decision", "reason", "source_engine_id", "source_addresses", "source_lease_id", "source_block_ids", "matched_blocks", "matched_tokens", "recompute_tokens", "prompt_blocks", "threshold_tokens", "cost", "prefill_engine_id", "prefill_addresses", "decode_engine_id", "decode_addresses", "decode_sticky", "session_id", "candidates", "error", "pin", "local_tokens", "pull_tokens", "decode_local_veto", "cached_tokens_seen")
     DECISION_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     SOURCE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -326,6 +338,11 @@ class Plan(_message.Message):
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    PIN_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PULL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_LOCAL_VETO_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_SEEN_FIELD_NUMBER: _ClassVar[int]
     decision: Decision
     reason: str
     source_engine_id: str
@@ -346,7 +363,12 @@ class Plan(_message.Message):
     session_id: str
     candidates: int
     error: str
-    def __init__(self, decision: _Optional[_Union[Decision, str]] = ..., reason: _Optional[str] = ..., source_engine_id: _Optional[str] = ..., source_addresses: _Optional[_Union[EngineAddresses, _Mapping]] = ..., source_lease_id: _Optional[str] = ..., source_block_ids: _Optional[_Iterable[int]] = ..., matched_blocks: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., recompute_tokens: _Optional[int] = ..., prompt_blocks: _Optional[int] = ..., threshold_tokens: _Optional[int] = ..., cost: _Optional[_Union[CostEstimate, _Mapping]] = ..., prefill_engine_id: _Optional[str] = ..., prefill_addresses: _Optional[_Union[EngineAddresses, _Mapping]] = ..., decode_engine_id: _Optional[str] = ..., decode_addresses: _Optional[_Union[EngineAddresses, _Mapping]] = ..., decode_sticky: _Optional[bool] = ..., session_id: _Optional[str] = ..., candidates: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+    pin: PinBlocksResponse
+    local_tokens: int
+    pull_tokens: int
+    decode_local_veto: str
+    cached_tokens_seen: int
+    def __init__(self, decision: _Optional[_Union[Decision, str]] = ..., reason: _Optional[str] = ..., source_engine_id: _Optional[str] = ..., source_addresses: _Optional[_Union[EngineAddresses, _Mapping]] = ..., source_lease_id: _Optional[str] = ..., source_block_ids: _Optional[_Iterable[int]] = ..., matched_blocks: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., recompute_tokens: _Optional[int] = ..., prompt_blocks: _Optional[int] = ..., threshold_tokens: _Optional[int] = ..., cost: _Optional[_Union[CostEstimate, _Mapping]] = ..., prefill_engine_id: _Optional[str] = ..., prefill_addresses: _Optional[_Union[EngineAddresses, _Mapping]] = ..., decode_engine_id: _Optional[str] = ..., decode_addresses: _Optional[_Union[EngineAddresses, _Mapping]] = ..., decode_sticky: _Optional[bool] = ..., session_id: _Optional[str] = ..., candidates: _Optional[int] = ..., error: _Optional[str] = ..., pin: _Optional[_Union[PinBlocksResponse, _Mapping]] = ..., local_tokens: _Optional[int] = ..., pull_tokens: _Optional[int] = ..., decode_local_veto: _Optional[str] = ..., cached_tokens_seen: _Optional[int] = ...) -> None: ...
 
 class PlaceBatch(_message.Message):
     __slots__ = ("requests",)
@@ -359,6 +381,34 @@ class PlanBatch(_message.Message):
     PLANS_FIELD_NUMBER: _ClassVar[int]
     plans: _containers.RepeatedCompositeFieldContainer[Plan]
     def __init__(self, plans: _Optional[_Iterable[_Union[Plan, _Mapping]]] = ...) -> None: ...
+
+class CacheEventBatch(_message.Message):
+    __slots__ = ("engine_id", "incarnation", "seq", "reset", "cleared", "stored_keys", "removed_keys")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    STORED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    incarnation: str
+    seq: int
+    reset: bool
+    cleared: bool
+    stored_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    removed_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, engine_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., seq: _Optional[int] = ..., reset: _Optional[bool] = ..., cleared: _Optional[bool] = ..., stored_keys: _Optional[_Iterable[bytes]] = ..., removed_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class CacheEventAck(_message.Message):
+    __slots__ = ("reset", "cached_blocks", "expected_seq")
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    reset: bool
+    cached_blocks: int
+    expected_seq: int
+    def __init__(self, reset: _Optional[bool] = ..., cached_blocks: _Optional[int] = ..., expected_seq: _Optional[int] = ...) -> None: ...
 
 class WatchEvictionsRequest(_message.Message):
     __slots__ = ("engine_id", "after_seq")
@@ -373,20 +423,24 @@ class InspectRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineStatus(_message.Message):
-    __slots__ = ("engine", "load", "retained_blocks", "leases", "last_seen_unix", "last_eviction_seq")
+    __slots__ = ("engine", "load", "retained_blocks", "leases", "last_seen_unix", "last_eviction_seq", "cached_blocks", "cache_resets")
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     RETAINED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_UNIX_FIELD_NUMBER: _ClassVar[int]
     LAST_EVICTION_SEQ_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_RESETS_FIELD_NUMBER: _ClassVar[int]
     engine: Engine
     load: EngineLoad
     retained_blocks: int
     leases: int
     last_seen_unix: float
     last_eviction_seq: int
-    def __init__(self, engine: _Optional[_Union[Engine, _Mapping]] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., retained_blocks: _Optional[int] = ..., leases: _Optional[int] = ..., last_seen_unix: _Optional[float] = ..., last_eviction_seq: _Optional[int] = ...) -> None: ...
+    cached_blocks: int
+    cache_resets: int
+    def __init__(self, engine: _Optional[_Union[Engine, _Mapping]] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ..., retained_blocks: _Optional[int] = ..., leases: _Optional[int] = ..., last_seen_unix: _Optional[float] = ..., last_eviction_seq: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., cache_resets: _Optional[int] = ...) -> None: ...
 
 class Pin(_message.Message):
     __slots__ = ("pin_id", "lease_id", "reader_engine_id", "num_blocks", "expires_at_unix")

@@ -84,6 +84,11 @@ class KVBrokerStub:
                 request_serializer=kvloop_dot_v1_dot_broker__pb2.PlaceBatch.SerializeToString,
                 response_deserializer=kvloop_dot_v1_dot_broker__pb2.PlanBatch.FromString,
                 _registered_method=True)
+        self.ReportCacheEvents = channel.unary_unary(
+                '/kvloop.v1.KVBroker/ReportCacheEvents',
+                request_serializer=kvloop_dot_v1_dot_broker__pb2.CacheEventBatch.SerializeToString,
+                response_deserializer=kvloop_dot_v1_dot_broker__pb2.CacheEventAck.FromString,
+                _registered_method=True)
         self.WatchEvictions = channel.unary_stream(
                 '/kvloop.v1.KVBroker/WatchEvictions',
                 request_serializer=kvloop_dot_v1_dot_broker__pb2.WatchEvictionsRequest.SerializeToString,
@@ -164,6 +169,13 @@ class KVBrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportCacheEvents(self, request, context):
+        """The engine's sidecar reports its prefix cache (vLLM's KV events) for placement; see CacheEventBatch.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def WatchEvictions(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -228,6 +240,11 @@ def add_KVBrokerServicer_to_server(servicer, server):
                     servicer.PlaceStream,
                     request_deserializer=kvloop_dot_v1_dot_broker__pb2.PlaceBatch.FromString,
                     response_serializer=kvloop_dot_v1_dot_broker__pb2.PlanBatch.SerializeToString,
+            ),
+            'ReportCacheEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportCacheEvents,
+                    request_deserializer=kvloop_dot_v1_dot_broker__pb2.CacheEventBatch.FromString,
+                    response_serializer=kvloop_dot_v1_dot_broker__pb2.CacheEventAck.SerializeToString,
             ),
             'WatchEvictions': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchEvictions,
@@ -510,6 +527,33 @@ class KVBroker:
             '/kvloop.v1.KVBroker/PlaceStream',
             kvloop_dot_v1_dot_broker__pb2.PlaceBatch.SerializeToString,
             kvloop_dot_v1_dot_broker__pb2.PlanBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportCacheEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvloop.v1.KVBroker/ReportCacheEvents',
+            kvloop_dot_v1_dot_broker__pb2.CacheEventBatch.SerializeToString,
+            kvloop_dot_v1_dot_broker__pb2.CacheEventAck.FromString,
             options,
             channel_credentials,
             insecure,

@@ -631,7 +631,7 @@ def test_place_picks_the_longest_usable_prefix(
     assert plan.source_block_ids == chosen.block_ids[: plan.matched_blocks]
     if plan.matched_blocks == 0 or plan.matched_tokens < state.placement_policy.threshold_tokens:
         assert plan.decision is Decision.RECOMPUTE and plan.recompute_tokens == num_tokens
-    elif plan.decision is Decision.LOCAL:
+    elif plan.decision is Decision.PREFILL_LOCAL:
         assert plan.prefill.engine_id == chosen.engine_id and plan.reason == "local_prefix"
         assert plan.recompute_tokens == num_tokens - plan.matched_tokens
     elif plan.decision is Decision.TRANSFER:

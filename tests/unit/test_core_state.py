@@ -714,7 +714,7 @@ def test_place_local_prefix_on_a_prefill_capable_source() -> None:
     c = Cluster(info("p", Role.PREFILL), info("b", Role.BOTH), info("d", Role.DECODE))
     lease, _ = c.publish("b", toks(8 * BS))
     plan = c.place(toks(8 * BS + 3))
-    assert (plan.decision, plan.reason) == (Decision.LOCAL, "local_prefix")
+    assert (plan.decision, plan.reason) == (Decision.PREFILL_LOCAL, "local_prefix")
     assert plan.prefill.engine_id == "b" and plan.decode.engine_id == "b" and plan.decode_sticky
     assert plan.recompute_tokens == 3 and plan.source_lease_id == lease.lease_id
     # Much busier than the idle prefill engine: prefill moves away and pulls; decode moves too.
@@ -727,7 +727,7 @@ def test_place_local_prefix_on_a_prefill_capable_source() -> None:
     c2.publish("p", toks(8 * BS))
     c2.load("d1", running_requests=1)
     plan = c2.place(toks(8 * BS + 3))
-    assert plan.decision is Decision.LOCAL and plan.prefill.engine_id == "p"
+    assert plan.decision is Decision.PREFILL_LOCAL and plan.prefill.engine_id == "p"
     assert plan.decode.engine_id == "d2" and not plan.decode_sticky
 
 
