@@ -47,6 +47,15 @@ class BrokerConfig(ServiceConfig):
     default_bytes_per_block: int = setting(262144, "KV bytes per block assumed until engines report it")
     transfer_overhead_s: float = setting(0.005, "fixed cost of one pull (handshake, notifications, extra step)")
     sticky_load_gap: float = setting(4.0, "keep a session's decode engine unless it has this many more requests")
+    pd_hop_s: float = setting(0.08, "cost model: fixed seconds of the P/D hop (prefill round trip, the decode's "
+                                    "read of the new blocks, its first step), measured on the benchmark")
+    queue_penalty_s: float = setting(0.05, "cost model: estimated wait per request running or queued on an engine")
+    decode_local: bool = setting(True, "allow DECODE_LOCAL: a decode engine holding the prefix computes a short "
+                                       "tail itself (off: strict disaggregation)")
+    decode_local_max_tokens: int = setting(512, "DECODE_LOCAL only for an uncached tail of at most this many tokens")
+    decode_local_max_share: float = setting(0.5, "DECODE_LOCAL only when the tail is at most this share of the prompt")
+    decode_local_max_running: int = setting(8, "DECODE_LOCAL only while the decode engine runs fewer requests than "
+                                               "this and queues none (so long prefills never stall its streams)")
     tick_interval_s: float = setting(0.25, "how often leases, pins and engines are checked for expiry")
     shutdown_grace_s: float = setting(5.0, "on SIGTERM, how long in-flight RPCs may finish")
     tls_cert: Path | None = setting(None, "PEM certificate (chain) of the gRPC port; with tls_key: TLS on")
@@ -92,8 +101,11 @@ class BrokerConfig(ServiceConfig):
                      "default_bytes_per_block"):
             self._require(getattr(self, name) > 0, name, "must be positive")
         self._require(self.max_message_bytes >= 64 * 1024, "max_message_bytes", "must be at least 65536")
-        for name in ("threshold_tokens", "transfer_overhead_s", "sticky_load_gap", "shutdown_grace_s"):
+        for name in ("threshold_tokens", "transfer_overhead_s", "sticky_load_gap", "shutdown_grace_s", "pd_hop_s",
+                     "queue_penalty_s", "decode_local_max_tokens"):
             self._require(getattr(self, name) >= 0, name, "must not be negative")
+        self._require(0 < self.decode_local_max_share <= 1, "decode_local_max_share", "must be in (0, 1]")
+        self._require(self.decode_local_max_running >= 1, "decode_local_max_running", "must be at least 1")
         check_files(self, "tls_", server=True)
         self._require("{engine_id}" in self.engine_identity, "engine_identity", "must contain {engine_id}")
 
@@ -126,4 +138,10 @@ class BrokerConfig(ServiceConfig):
             default_bytes_per_block=self.default_bytes_per_block,
             transfer_overhead_s=self.transfer_overhead_s,
             sticky_load_gap=self.sticky_load_gap,
+            pd_hop_s=self.pd_hop_s,
+            queue_penalty_s=self.queue_penalty_s,
+            decode_local=self.decode_local,
+            decode_local_max_tokens=self.decode_local_max_tokens,
+            decode_local_max_share=self.decode_local_max_share,
+            decode_local_max_running=self.decode_local_max_running,
         )

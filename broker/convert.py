@@ -114,7 +114,8 @@ def cost_to_pb(cost: CostEstimate) -> pb.CostEstimate:
     return pb.CostEstimate(
         transfer_s=cost.transfer_s, recompute_s=cost.recompute_s, bandwidth_bytes_per_s=cost.bandwidth_bytes_per_s,
         prefill_tokens_per_s=cost.prefill_tokens_per_s, bytes_per_block=cost.bytes_per_block,
-        measured=cost.measured,
+        measured=cost.measured, decode_local_s=cost.decode_local_s, prefill_local_s=cost.prefill_local_s,
+        transfer_path_s=cost.transfer_path_s, recompute_path_s=cost.recompute_path_s,
     )
 
 
@@ -130,6 +131,8 @@ def plan_to_pb(plan: Plan) -> pb.Plan:
         prefill_engine_id=plan.prefill.engine_id, prefill_addresses=addresses_to_pb(plan.prefill.addresses),
         decode_engine_id=plan.decode.engine_id, decode_addresses=addresses_to_pb(plan.decode.addresses),
         decode_sticky=plan.decode_sticky, session_id=plan.session_id, candidates=plan.candidates,
+        local_tokens=plan.local_tokens, pull_tokens=plan.pull_tokens, decode_local_veto=plan.decode_local_veto,
+        cached_tokens_seen=plan.cached_tokens_seen,
     )
 
 

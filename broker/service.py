@@ -12,6 +12,7 @@ import contextlib
 import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import grpc
@@ -21,7 +22,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from kvloop.broker import convert
 from kvloop.broker.access import Access
-from kvloop.broker.core import BrokerState, EvictionCommand, PlaceInput, Plan
+from kvloop.broker.core import BrokerState, Decision, EvictionCommand, PlaceInput, Plan
 from kvloop.broker.runtime import BrokerRuntime
 from kvloop.shared.errors import KvloopError
 from kvloop.v1 import broker_pb2 as pb
@@ -95,6 +96,14 @@ def _plan_attributes(plan: Plan) -> dict[str, Any]:
         "kvloop.cost.transfer_s": plan.cost.transfer_s,
         "kvloop.cost.recompute_s": plan.cost.recompute_s,
         "kvloop.cost.measured": plan.cost.measured,
+        "kvloop.cost.decode_local_s": plan.cost.decode_local_s,
+        "kvloop.cost.prefill_local_s": plan.cost.prefill_local_s,
+        "kvloop.cost.transfer_path_s": plan.cost.transfer_path_s,
+        "kvloop.cost.recompute_path_s": plan.cost.recompute_path_s,
+        "kvloop.local_tokens": plan.local_tokens,
+        "kvloop.pull_tokens": plan.pull_tokens,
+        "kvloop.decode_local_veto": plan.decode_local_veto,
+        "kvloop.cached_tokens_seen": plan.cached_tokens_seen,
     }
 
 
@@ -166,8 +175,11 @@ class BrokerService(broker_pb2_grpc.KVBrokerServicer):
 
     @rpc("PinBlocks")
     async def PinBlocks(self, request: pb.PinBlocksRequest, context: Any) -> pb.PinBlocksResponse:
+        return await self._pin(request.reader_engine_id, request.lease_id, request.num_blocks, request.timeout_s)
+
+    async def _pin(self, reader: str, lease_id: str, num_blocks: int, timeout_s: float) -> pb.PinBlocksResponse:
         def pin(s: BrokerState, now: float) -> pb.PinBlocksResponse:
-            p = s.pin(request.reader_engine_id, request.lease_id, request.num_blocks, request.timeout_s, now)
+            p = s.pin(reader, lease_id, num_blocks, timeout_s, now)
             lease = s.leases[p.lease_id]
             return pb.PinBlocksResponse(pin_id=p.pin_id, block_ids=list(lease.block_ids[: p.num_blocks]),
                                         expires_at_unix=p.expires_at, lease_expires_at_unix=lease.expires_at)
@@ -181,21 +193,34 @@ class BrokerService(broker_pb2_grpc.KVBrokerServicer):
             lambda s, now: s.complete(request.pin_id, request.success, request.bytes, request.duration_s, now))
         return pb.CompleteTransferResponse(lease_expires_at_unix=lease.expires_at if lease else 0.0)
 
-    def _place(self, request: pb.PlaceRequest) -> pb.Plan:
+    async def _place(self, request: pb.PlaceRequest) -> pb.Plan:
         start = time.perf_counter()
         place_input = PlaceInput(keys=list(request.block_keys), num_tokens=request.num_tokens,
                                  layout_fingerprint=request.layout_fingerprint, block_size=request.block_size,
                                  session_id=request.session_id)
         plan = self.runtime.read(lambda s, now: s.place(place_input, now))
+        pin = None
+        if request.pin and plan.decision is Decision.TRANSFER:
+            # Place and pin in one call: the router's critical path saves a round trip. The lease may have gone
+            # between the two (an eviction): then the turn recomputes, as a refused PinBlocks would make it.
+            try:
+                pin = await self._pin(plan.prefill.engine_id, plan.source_lease_id, plan.matched_blocks, 0.0)
+            except KvloopError as exc:
+                log.info("broker.place_pin_refused", lease=plan.source_lease_id, error=exc.message)
+                plan = replace(plan, decision=Decision.RECOMPUTE, reason="pin_refused", pull_tokens=0,
+                               recompute_tokens=request.num_tokens - plan.local_tokens)
         metrics = self.runtime.metrics
         metrics.placement_latency.observe(time.perf_counter() - start)
         metrics.placements.labels(decision=plan.decision.value, reason=plan.reason).inc()
         trace.get_current_span().set_attributes(_plan_attributes(plan))
-        return convert.plan_to_pb(plan)
+        reply = convert.plan_to_pb(plan)
+        if pin is not None:
+            reply.pin.CopyFrom(pin)
+        return reply
 
     @rpc("Place")
     async def Place(self, request: pb.PlaceRequest, context: Any) -> pb.Plan:
-        return self._place(request)
+        return await self._place(request)
 
     async def PlaceStream(self, batches: AsyncIterator[pb.PlaceBatch], context: grpc.aio.ServicerContext
                           ) -> AsyncIterator[pb.PlanBatch]:
@@ -206,7 +231,7 @@ class BrokerService(broker_pb2_grpc.KVBrokerServicer):
             for request in batch.requests:
                 with tracer.start_as_current_span("kvloop.v1.KVBroker/PlaceStream", kind=SpanKind.SERVER) as span:
                     try:
-                        reply.plans.append(self._place(request))
+                        reply.plans.append(await self._place(request))
                     except KvloopError as exc:
                         self.runtime.metrics.rpc_errors.labels(method="PlaceStream", code=exc.status.value).inc()
                         span.set_status(Status(StatusCode.ERROR, exc.message))

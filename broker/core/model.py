@@ -135,6 +135,11 @@ class CostEstimate:
     prefill_tokens_per_s: float = 0.0
     bytes_per_block: int = 0
     measured: bool = False
+    decode_local_s: float = 0.0
+    """Each path's estimated seconds to the first token (0: the path was not possible)."""
+    prefill_local_s: float = 0.0
+    transfer_path_s: float = 0.0
+    recompute_path_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,3 +162,12 @@ class Plan:
     recompute_tokens: int = 0
     candidates: int = 0
     cost: CostEstimate = CostEstimate()
+    local_tokens: int = 0
+    """Prompt tokens the serving engine holds itself (lease or prefix cache)."""
+    pull_tokens: int = 0
+    """TRANSFER: tokens to pull, beyond the prefill engine's own prefix."""
+    decode_local_veto: str = ""
+    """Why DECODE_LOCAL was not taken though the decode engine held the prefix (disabled, tail_tokens,
+    tail_share, decode_busy, costlier); empty when taken or not possible."""
+    cached_tokens_seen: int = 0
+    """The longest usable prefix any live engine held: the reuse available to this turn."""

@@ -1,6 +1,21 @@
-"""Placement: for a new prompt, which engines run it and whether prefill pulls the prefix or recomputes.
+"""Placement: for a new prompt, which of four paths serves it, on which engines, and why.
 
-Pure function of the request, the index's matches and the engines' reported figures.
+Pure function of the request, the lease index's matches, the soft index's cached prefixes and the engines'
+reported figures. One cost model prices every possible path in estimated seconds to the first token:
+
+- **DECODE_LOCAL** (conditional disaggregation): the decode engine that holds the prefix computes the tail
+  itself: tail tokens / its prefill rate. No prefill request, no pull, no P/D hop. Allowed only while the tail
+  is short (``decode_local_max_tokens``), a small share of the prompt (``decode_local_max_share``) and the
+  decode engine is not busy (``decode_local_max_running``): a long prefill on a decode engine stalls every
+  stream it is decoding, which is the price this rule bounds. ``decode_local=False`` gives strict P/D.
+- **PREFILL_LOCAL**: a prefill engine's own cache (a lease or its prefix cache) holds the prefix: the P/D hop
+  plus its tail.
+- **TRANSFER**: the P/D hop, plus a pull of the blocks beyond the prefill engine's own prefix from the lease
+  holder, plus the tail.
+- **RECOMPUTE**: the P/D hop plus the whole prompt.
+
+Each prefill engine is priced with its own cached prefix and queue, so the chosen one is the one that minimises
+pull plus compute, not merely the least loaded. A prefix under ``threshold_tokens`` is not worth reusing.
 """
 
 from __future__ import annotations
@@ -16,7 +31,7 @@ from kvloop.shared.errors import FailedPrecondition
 @dataclass(frozen=True, slots=True)
 class PlacementPolicy:
     threshold_tokens: int = 64
-    """Below this many matched tokens, recompute (upstream's kv_recompute_threshold)."""
+    """Below this many reusable tokens, recompute (upstream's kv_recompute_threshold)."""
     default_bandwidth_bytes_per_s: float = 1e9
     """Stands in for a NIXL bandwidth no engine has reported yet."""
     default_prefill_tokens_per_s: float = 5000.0
@@ -27,6 +42,19 @@ class PlacementPolicy:
     """Fixed cost of a pull: handshake, notifications, the extra engine step."""
     sticky_load_gap: float = 4.0
     """Keep a session on the decode engine holding its prefix unless it is this much busier."""
+    pd_hop_s: float = 0.08
+    """Fixed cost of the disaggregated hop: the prefill request's round trip, the decode's read of the new
+    blocks and its first step (the benchmark's prefill_http + decode_first on this machine: ~25 + ~55 ms)."""
+    queue_penalty_s: float = 0.05
+    """Estimated wait per request already running or queued on a prefill engine."""
+    decode_local: bool = True
+    """Allow DECODE_LOCAL at all (off: strict disaggregation)."""
+    decode_local_max_tokens: int = 512
+    """DECODE_LOCAL only when the uncached tail is at most this many tokens."""
+    decode_local_max_share: float = 0.5
+    """... and at most this share of the prompt."""
+    decode_local_max_running: int = 8
+    """... and the decode engine runs fewer requests than this and queues none (the busy veto)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,9 +80,15 @@ def best_match(matches: Iterable[Match], session_id: str) -> Match | None:
     )
 
 
+def _tps(engine: EngineRecord, policy: PlacementPolicy) -> tuple[float, bool]:
+    tps = engine.load.prefill_tokens_per_s
+    return (tps, True) if tps > 0 else (policy.default_prefill_tokens_per_s, False)
+
+
 def estimate_cost(
     matched_blocks: int, block_size: int, source: EngineRecord, prefill: EngineRecord, policy: PlacementPolicy
 ) -> CostEstimate:
+    """A pull of ``matched_blocks`` from ``source`` against recomputing them on ``prefill``."""
     measured = True
     bytes_per_block = source.load.bytes_per_block or prefill.load.bytes_per_block
     if not bytes_per_block:
@@ -62,13 +96,24 @@ def estimate_cost(
     reported = [b for b in (source.learned_bandwidth, source.load.transfer_bytes_per_s,
                             prefill.load.transfer_bytes_per_s) if b > 0]
     bandwidth = reported[0] if reported else policy.default_bandwidth_bytes_per_s
-    measured = measured and bool(reported)
-    tps = prefill.load.prefill_tokens_per_s
-    if tps <= 0:
-        tps, measured = policy.default_prefill_tokens_per_s, False
+    tps, tps_measured = _tps(prefill, policy)
     transfer_s = policy.transfer_overhead_s + matched_blocks * bytes_per_block / bandwidth
     recompute_s = matched_blocks * block_size / tps
-    return CostEstimate(transfer_s, recompute_s, bandwidth, tps, bytes_per_block, measured)
+    return CostEstimate(transfer_s, recompute_s, bandwidth, tps, bytes_per_block,
+                        measured and bool(reported) and tps_measured)
+
+
+@dataclass(frozen=True, slots=True)
+class _Option:
+    seconds: float
+    decision: Decision
+    prefill: EngineRecord
+    local_blocks: int
+    """Blocks the serving engine holds itself."""
+    reused_blocks: int
+    """Blocks not computed: local ones, plus pulled ones on TRANSFER."""
+    pull: CostEstimate | None = None
+    """TRANSFER: the pull against recomputing the pulled blocks."""
 
 
 def place(
@@ -86,10 +131,10 @@ def place(
         if e.info.layout_fingerprint == request.layout_fingerprint and e.info.block_size == request.block_size
     ]
     by_id = {e.info.engine_id: e for e in fit}
-    prefill = _least_loaded(e for e in fit if e.info.role.can_prefill)
+    prefills = sorted((e for e in fit if e.info.role.can_prefill), key=lambda e: (e.load.score, e.info.engine_id))
     decode = _least_loaded(e for e in fit if e.info.role.can_decode)
-    if prefill is None or decode is None:
-        missing = "prefill" if prefill is None else "decode"
+    if not prefills or decode is None:
+        missing = "prefill" if not prefills else "decode"
         raise FailedPrecondition(
             f"layout_fingerprint: no live {missing} engine with fingerprint {request.layout_fingerprint!r} "
             f"and block size {request.block_size}",
@@ -97,53 +142,111 @@ def place(
         )
     usable = [m for m in matches if m.lease.engine_id in by_id and m.lease.pending is None]
     match = best_match(usable, request.session_id)
+    bs = request.block_size
     # The last prompt token must be computed to produce logits: never reuse the block holding it.
-    max_blocks = max(0, (request.num_tokens - 1) // request.block_size)
+    max_blocks = max(0, (request.num_tokens - 1) // bs)
+    min_blocks = -(-policy.threshold_tokens // bs) if policy.threshold_tokens else 1
     matched = min(match.blocks, max_blocks) if match else 0
     source = by_id[match.lease.engine_id] if match else None
 
-    if (source is not None and source.info.role.can_prefill and matched
-            and source.load.score - prefill.load.score <= policy.sticky_load_gap):
-        prefill = source  # it holds the prefix itself: prefill there, no transfer
+    def held(engine: EngineRecord) -> int:
+        """Blocks of the prompt this engine holds itself: its lease match, or its prefix cache."""
+        lease = matched if source is not None and source.info.engine_id == engine.info.engine_id else 0
+        return max(lease, min((cached or {}).get(engine.info.engine_id, 0), max_blocks))
 
+    def local(engine: EngineRecord) -> int:
+        """What this engine holds, when it is worth reusing."""
+        blocks = held(engine)
+        return blocks if blocks >= min_blocks else 0
+
+    # The decode engine: the one that holds the prefix (lease or cache) or the session's, unless much busier.
     sticky = False
-    sticky_candidate = source if source is not None and source.info.role.can_decode else None
-    if sticky_candidate is None and session_engine_id in by_id and by_id[session_engine_id].info.role.can_decode:
-        sticky_candidate = by_id[session_engine_id]
-    if sticky_candidate is not None and sticky_candidate.load.score - decode.load.score <= policy.sticky_load_gap:
-        decode, sticky = sticky_candidate, True
+    holders = [e for e in fit if e.info.role.can_decode and held(e)]
+    candidate = max(holders, key=lambda e: (held(e), -e.load.score, e.info.engine_id), default=None)
+    if candidate is None and session_engine_id in by_id and by_id[session_engine_id].info.role.can_decode:
+        candidate = by_id[session_engine_id]
+    if candidate is not None and candidate.load.score - decode.load.score <= policy.sticky_load_gap:
+        decode, sticky = candidate, True
 
-    cost = CostEstimate()
-    matched_tokens = matched * request.block_size
-    if source is None or matched == 0:
-        decision, reason = Decision.RECOMPUTE, "no_match"
-    elif matched_tokens < policy.threshold_tokens:
-        decision, reason = Decision.RECOMPUTE, "below_threshold"
-    elif source.info.engine_id == prefill.info.engine_id:
-        decision, reason = Decision.PREFILL_LOCAL, "local_prefix"
-    else:
-        cost = estimate_cost(matched, request.block_size, source, prefill, policy)
-        if cost.transfer_s < cost.recompute_s:
-            decision, reason = Decision.TRANSFER, "transfer_cheaper"
+    def hop(engine: EngineRecord, compute_tokens: int) -> float:
+        return (policy.pd_hop_s + engine.load.score * policy.queue_penalty_s
+                + compute_tokens / _tps(engine, policy)[0])
+
+    options: list[_Option] = []
+    for p in prefills:
+        own = local(p)
+        if own:
+            options.append(_Option(hop(p, request.num_tokens - own * bs), Decision.PREFILL_LOCAL, p, own, own))
         else:
-            decision, reason = Decision.RECOMPUTE, "recompute_cheaper"
+            options.append(_Option(hop(p, request.num_tokens), Decision.RECOMPUTE, p, 0, 0))
+        if source is not None and matched >= min_blocks and matched > own and source is not p:
+            pull = estimate_cost(matched - own, bs, source, p, policy)
+            seconds = hop(p, request.num_tokens - matched * bs) + pull.transfer_s
+            options.append(_Option(seconds, Decision.TRANSFER, p, own, matched, pull))
+    veto = ""
+    decode_own = local(decode) if decode.info.role.can_decode else 0
+    if decode_own:
+        tail = request.num_tokens - decode_own * bs
+        d_load = decode.load
+        if not policy.decode_local:
+            veto = "disabled"
+        elif tail > policy.decode_local_max_tokens:
+            veto = "tail_tokens"
+        elif tail > policy.decode_local_max_share * request.num_tokens:
+            veto = "tail_share"
+        elif d_load.waiting_requests > 0 or d_load.running_requests >= policy.decode_local_max_running:
+            veto = "decode_busy"
+        else:
+            options.append(_Option(tail / _tps(decode, policy)[0], Decision.DECODE_LOCAL, decode, decode_own,
+                                   decode_own))
+    rank = {Decision.DECODE_LOCAL: 0, Decision.PREFILL_LOCAL: 1, Decision.TRANSFER: 2, Decision.RECOMPUTE: 3}
+    best = min(options, key=lambda o: (o.seconds, rank[o.decision], o.prefill.load.score, o.prefill.info.engine_id))
+    if veto == "" and decode_own and best.decision is not Decision.DECODE_LOCAL:
+        veto = "costlier"
 
-    reused = decision is not Decision.RECOMPUTE
+    def cheapest(decision: Decision) -> float:
+        return min((o.seconds for o in options if o.decision is decision), default=0.0)
+
+    # The pull figures of the cheapest TRANSFER option, whether or not it won (the trace shows why it lost).
+    transfers = [o for o in options if o.pull is not None]
+    cost = min(transfers, key=lambda o: o.seconds).pull if transfers else None
+    cost = cost or CostEstimate()
+    tps, tps_measured = _tps(best.prefill if best.decision is not Decision.DECODE_LOCAL else decode, policy)
+    cost = CostEstimate(cost.transfer_s, cost.recompute_s, cost.bandwidth_bytes_per_s, tps, cost.bytes_per_block,
+                        cost.measured if best.decision is Decision.TRANSFER else tps_measured,
+                        decode_local_s=cheapest(Decision.DECODE_LOCAL),
+                        prefill_local_s=cheapest(Decision.PREFILL_LOCAL),
+                        transfer_path_s=cheapest(Decision.TRANSFER),
+                        recompute_path_s=cheapest(Decision.RECOMPUTE))
+    reason = {
+        Decision.DECODE_LOCAL: "short_tail_on_decode",
+        Decision.PREFILL_LOCAL: "local_prefix",
+        Decision.TRANSFER: "transfer_cheaper",
+    }.get(best.decision)
+    # The longest prefix any engine holds, usable or not: the reuse that was available to this turn.
+    seen = min(max([matched, *((cached or {}).get(e.info.engine_id, 0) for e in fit)]), max_blocks)
+    if reason is None:
+        reason = "no_match" if not seen else "below_threshold" if seen < min_blocks else "recompute_cheaper"
+    transfer = best.decision is Decision.TRANSFER
     return Plan(
-        decision=decision,
+        decision=best.decision,
         reason=reason,
         prompt_blocks=len(request.keys),
         threshold_tokens=policy.threshold_tokens,
-        prefill=prefill.info,
+        prefill=(decode if best.decision is Decision.DECODE_LOCAL else best.prefill).info,
         decode=decode.info,
         decode_sticky=sticky,
         session_id=request.session_id,
-        source=source.info if source else None,
+        source=source.info if source is not None else None,
         source_lease_id=match.lease.lease_id if match else "",
         source_block_ids=tuple(match.lease.block_ids[:matched]) if match else (),
         matched_blocks=matched,
-        matched_tokens=matched_tokens,
-        recompute_tokens=request.num_tokens - (matched_tokens if reused else 0),
+        matched_tokens=matched * bs,
+        recompute_tokens=request.num_tokens - best.reused_blocks * bs,
         candidates=len(usable),
         cost=cost,
+        local_tokens=best.local_blocks * bs,
+        pull_tokens=(matched - best.local_blocks) * bs if transfer else 0,
+        decode_local_veto=veto,
+        cached_tokens_seen=seen * bs,
     )

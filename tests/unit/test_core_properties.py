@@ -613,7 +613,8 @@ def test_place_picks_the_longest_usable_prefix(
     assert plan.matched_blocks == min(best, cap)
     assert plan.matched_tokens == plan.matched_blocks * block_size
     assert plan.prompt_blocks == len(keys)
-    assert plan.prefill.engine_id in fit and plan.prefill.role.can_prefill
+    # DECODE_LOCAL: the decode engine computes the prompt's tail itself, so it is the plan's prefill engine.
+    assert plan.prefill.engine_id in fit and (plan.prefill.role.can_prefill or plan.decision is Decision.DECODE_LOCAL)
     assert plan.decode.engine_id in fit and plan.decode.role.can_decode
     if not usable:
         assert plan.source is None and plan.source_lease_id == "" and plan.reason == "no_match"
@@ -629,18 +630,23 @@ def test_place_picks_the_longest_usable_prefix(
     assert plan.source_lease_id == max(usable, key=rank)
     assert chosen.keys[: plan.matched_blocks] == keys[: plan.matched_blocks]
     assert plan.source_block_ids == chosen.block_ids[: plan.matched_blocks]
+    event(f"decision {plan.decision.value}")
     if plan.matched_blocks == 0 or plan.matched_tokens < state.placement_policy.threshold_tokens:
         assert plan.decision is Decision.RECOMPUTE and plan.recompute_tokens == num_tokens
     elif plan.decision is Decision.PREFILL_LOCAL:
         assert plan.prefill.engine_id == chosen.engine_id and plan.reason == "local_prefix"
-        assert plan.recompute_tokens == num_tokens - plan.matched_tokens
+        assert plan.recompute_tokens == num_tokens - plan.matched_tokens == num_tokens - plan.local_tokens
+    elif plan.decision is Decision.DECODE_LOCAL:
+        assert plan.prefill.engine_id == plan.decode.engine_id == chosen.engine_id
+        assert plan.reason == "short_tail_on_decode" and plan.decode_local_veto == ""
+        assert plan.recompute_tokens == num_tokens - plan.matched_tokens == num_tokens - plan.local_tokens
     elif plan.decision is Decision.TRANSFER:
         assert plan.prefill.engine_id != chosen.engine_id and plan.reason == "transfer_cheaper"
-        assert plan.cost.transfer_s < plan.cost.recompute_s
+        assert plan.cost.transfer_path_s <= plan.cost.recompute_path_s
         assert plan.recompute_tokens == num_tokens - plan.matched_tokens
     else:
-        assert plan.reason == "recompute_cheaper" and plan.cost.transfer_s >= plan.cost.recompute_s
-        assert plan.recompute_tokens == num_tokens
+        assert plan.reason == "recompute_cheaper"
+        assert plan.recompute_tokens == num_tokens - plan.local_tokens
 
 
 # =====================================================================================================

@@ -652,10 +652,14 @@ def test_engine_expiry_drops_its_leases_and_its_pins() -> None:
 # =====================================================================================================
 
 
+STRICT_PD = PlacementPolicy(decode_local=False)
+"""Strict disaggregation: the P/D paths alone (the decode-local tests below turn DECODE_LOCAL on)."""
+
+
 def pd_cluster(placement: PlacementPolicy | None = None, **kw: Any) -> Cluster:
-    """One prefill engine and two decode engines, all idle."""
+    """One prefill engine and two decode engines, all idle; strict P/D unless ``placement`` says otherwise."""
     return Cluster(info("p", Role.PREFILL), info("d1", Role.DECODE), info("d2", Role.DECODE),
-                   placement=placement, **kw)
+                   placement=placement or STRICT_PD, **kw)
 
 
 def test_place_no_match() -> None:
@@ -711,7 +715,7 @@ def test_place_recompute_cheaper_on_a_slow_link_and_learned_bandwidth_wins() -> 
 
 
 def test_place_local_prefix_on_a_prefill_capable_source() -> None:
-    c = Cluster(info("p", Role.PREFILL), info("b", Role.BOTH), info("d", Role.DECODE))
+    c = Cluster(info("p", Role.PREFILL), info("b", Role.BOTH), info("d", Role.DECODE), placement=STRICT_PD)
     lease, _ = c.publish("b", toks(8 * BS))
     plan = c.place(toks(8 * BS + 3))
     assert (plan.decision, plan.reason) == (Decision.PREFILL_LOCAL, "local_prefix")
@@ -723,7 +727,7 @@ def test_place_local_prefix_on_a_prefill_capable_source() -> None:
     assert (plan.decision, plan.reason) == (Decision.TRANSFER, "transfer_cheaper")
     assert plan.prefill.engine_id == "p" and plan.decode.engine_id == "d" and not plan.decode_sticky
     # A prefill-only engine holding the prefix prefills locally; decode goes to the least loaded.
-    c2 = Cluster(info("p", Role.PREFILL), info("d1", Role.DECODE), info("d2", Role.DECODE))
+    c2 = Cluster(info("p", Role.PREFILL), info("d1", Role.DECODE), info("d2", Role.DECODE), placement=STRICT_PD)
     c2.publish("p", toks(8 * BS))
     c2.load("d1", running_requests=1)
     plan = c2.place(toks(8 * BS + 3))
@@ -743,7 +747,7 @@ def test_place_decode_stickiness_and_load_gap(busy: int, sticky: bool) -> None:
 
 
 def test_place_sticky_gap_is_configurable() -> None:
-    c = pd_cluster(PlacementPolicy(sticky_load_gap=0.0))
+    c = pd_cluster(PlacementPolicy(sticky_load_gap=0.0, decode_local=False))
     c.publish("d1", toks(8 * BS))
     c.load("d1", kv_usage=0.1)
     assert c.place(toks(8 * BS + 1)).decode.engine_id == "d2"
@@ -780,7 +784,7 @@ def test_place_ties_go_to_the_session_then_the_most_recent() -> None:
 
 
 def test_place_edited_history_matches_up_to_the_first_changed_block() -> None:
-    c = pd_cluster(PlacementPolicy(threshold_tokens=32))
+    c = pd_cluster(PlacementPolicy(threshold_tokens=32, decode_local=False))
     turn1 = toks(8 * BS + 5)
     c.publish("d1", turn1, session="s")
     appended = turn1 + toks(40, 50_000)

@@ -1,0 +1,150 @@
+"""The four paths of placement (DECODE_LOCAL, PREFILL_LOCAL, TRANSFER, RECOMPUTE) on the pure ``place()``:
+each chosen when it should be and not when it should not, with the plan saying why; plus a property that the
+plan always takes the cheapest allowed path of its own cost model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvloop.broker.core import Decision, EngineInfo, EngineLoad, EngineRecord, Lease, PlaceInput, PlacementPolicy, Role
+from kvloop.broker.core.index import Match
+from kvloop.broker.core.placement import place
+from kvloop.shared.hashing import ExtraKeys, block_keys
+
+FP, BS = "fp", 16
+
+
+def engine(eid: str, role: Role, **load: Any) -> EngineRecord:
+    return EngineRecord(EngineInfo(eid, role, BS, FP, 1000), 0.0, 0.0, EngineLoad(**load))
+
+
+def lease_on(eid: str, blocks: int) -> Lease:
+    keys = tuple(block_keys(list(range(blocks * BS)), BS, ExtraKeys(FP)))
+    return Lease(f"lease-{eid}", eid, "s", keys, tuple(range(blocks)), blocks * BS, 60.0, 1e9, 0.0, 0.0)
+
+
+def plan_for(num_tokens: int, engines: list[EngineRecord], *, lease: tuple[str, int] | None = None,
+             cached: dict[str, int] | None = None, policy: PlacementPolicy | None = None) -> Any:
+    keys = block_keys(list(range(num_tokens)), BS, ExtraKeys(FP))
+    matches = [Match(lease_on(*lease), lease[1])] if lease else []
+    return place(PlaceInput(keys, num_tokens, FP, BS, "s"), engines, matches, policy or PlacementPolicy(),
+                 cached=cached)
+
+
+def cluster(**decode_load: Any) -> list[EngineRecord]:
+    return [engine("p1", Role.PREFILL), engine("p2", Role.PREFILL), engine("d", Role.DECODE, **decode_load)]
+
+
+def test_a_short_tail_runs_on_the_decode_engine_that_holds_the_prefix() -> None:
+    plan = plan_for(64 * BS + 100, cluster(), lease=("d", 64))
+    assert (plan.decision, plan.reason) == (Decision.DECODE_LOCAL, "short_tail_on_decode")
+    assert plan.decode.engine_id == "d" and plan.prefill.engine_id == "d" and plan.decode_sticky
+    assert plan.local_tokens == 64 * BS and plan.recompute_tokens == 100 and plan.pull_tokens == 0
+    assert plan.decode_local_veto == "" and plan.cached_tokens_seen == 64 * BS
+    assert 0 < plan.cost.decode_local_s < plan.cost.transfer_path_s < plan.cost.recompute_path_s
+
+
+@pytest.mark.parametrize(("tokens", "lease_blocks", "load", "policy", "veto"), [
+    (64 * BS + 600, 64, {}, PlacementPolicy(), "tail_tokens"),          # 600 > 512 uncached tokens
+    (10 * BS + 200, 10, {}, PlacementPolicy(), "tail_share"),           # 200 of 360 tokens is over half
+    (64 * BS + 100, 64, {"waiting_requests": 1}, PlacementPolicy(), "decode_busy"),
+    (64 * BS + 100, 64, {"running_requests": 8}, PlacementPolicy(), "decode_busy"),
+    (64 * BS + 100, 64, {}, PlacementPolicy(decode_local=False), "disabled"),
+])
+def test_decode_local_is_vetoed_by_each_knob(tokens: int, lease_blocks: int, load: dict[str, Any],
+                                             policy: PlacementPolicy, veto: str) -> None:
+    plan = plan_for(tokens, cluster(**load), lease=("d", lease_blocks), policy=policy)
+    assert plan.decision is Decision.TRANSFER and plan.decode_local_veto == veto
+    assert plan.prefill.engine_id in ("p1", "p2") and plan.pull_tokens == lease_blocks * BS
+
+
+def test_decode_local_loses_to_a_cheaper_path() -> None:
+    # The decode engine computes slowly, the prefill engine is fast: P/D with a pull is cheaper.
+    engines = [engine("p", Role.PREFILL, prefill_tokens_per_s=1e6), engine("d", Role.DECODE, prefill_tokens_per_s=500)]
+    plan = plan_for(64 * BS + 100, engines, lease=("d", 64))
+    assert plan.decision is not Decision.DECODE_LOCAL and plan.decode_local_veto == "costlier"
+
+
+def test_a_prefill_engine_with_the_prefix_in_its_own_cache_serves_it_without_a_pull() -> None:
+    plan = plan_for(64 * BS + 100, cluster(), cached={"p2": 64})
+    assert (plan.decision, plan.reason) == (Decision.PREFILL_LOCAL, "local_prefix")
+    assert plan.prefill.engine_id == "p2" and plan.local_tokens == 64 * BS and plan.pull_tokens == 0
+    assert plan.recompute_tokens == 100 and plan.source is None
+
+
+def test_transfer_pulls_only_beyond_the_chosen_prefill_engines_own_prefix() -> None:
+    # p2's cache holds 40 of the 64 blocks the decode engine's lease has: p2, pulling 24, beats p1 pulling 64.
+    policy = PlacementPolicy(decode_local=False)
+    plan = plan_for(64 * BS + 100, cluster(), lease=("d", 64), cached={"p2": 40}, policy=policy)
+    assert (plan.decision, plan.reason) == (Decision.TRANSFER, "transfer_cheaper")
+    assert plan.prefill.engine_id == "p2" and plan.local_tokens == 40 * BS and plan.pull_tokens == 24 * BS
+    assert plan.matched_tokens == 64 * BS and plan.recompute_tokens == 100
+
+
+def test_the_prefill_engine_is_chosen_by_cost_not_by_load_alone() -> None:
+    # p1 is idle, p2 has one request but holds the prefix: p2's tail is cheaper than p1's whole prompt.
+    engines = [engine("p1", Role.PREFILL), engine("p2", Role.PREFILL, running_requests=1), engine("d", Role.DECODE)]
+    plan = plan_for(200 * BS + 10, engines, cached={"p2": 200})
+    assert plan.decision is Decision.PREFILL_LOCAL and plan.prefill.engine_id == "p2"
+
+
+@pytest.mark.parametrize(("lease", "cached", "reason"), [
+    (None, None, "no_match"),
+    (("d", 2), None, "below_threshold"),
+    (None, {"p1": 2}, "below_threshold"),
+])
+def test_recompute_reasons(lease: tuple[str, int] | None, cached: dict[str, int] | None, reason: str) -> None:
+    plan = plan_for(20 * BS, cluster(), lease=lease, cached=cached)
+    assert (plan.decision, plan.reason) == (Decision.RECOMPUTE, reason)
+    assert plan.recompute_tokens == 20 * BS and plan.local_tokens == 0 and plan.pull_tokens == 0
+
+
+def test_a_cached_block_holding_the_last_prompt_token_is_not_reused() -> None:
+    plan = plan_for(64 * BS, cluster(), cached={"p1": 64})
+    assert plan.decision is Decision.PREFILL_LOCAL and plan.local_tokens == 63 * BS and plan.recompute_tokens == BS
+
+
+PROPS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@PROPS
+@given(
+    tokens=st.integers(1, 300 * BS),
+    lease_blocks=st.integers(0, 300),
+    lease_engine=st.sampled_from(["p1", "d"]),
+    cached=st.dictionaries(st.sampled_from(["p1", "p2", "d"]), st.integers(0, 300), max_size=3),
+    loads=st.lists(st.tuples(st.integers(0, 10), st.integers(0, 2), st.sampled_from([0.0, 800.0, 5e4])),
+                   min_size=3, max_size=3),
+    decode_local=st.booleans(),
+)
+def test_the_plan_takes_the_cheapest_allowed_path(tokens: int, lease_blocks: int, lease_engine: str,
+                                                   cached: dict[str, int], loads: list[tuple[int, int, float]],
+                                                   decode_local: bool) -> None:
+    roles = {"p1": Role.PREFILL, "p2": Role.PREFILL, "d": Role.DECODE}
+    engines = [engine(eid, role, running_requests=r, waiting_requests=w, prefill_tokens_per_s=tps)
+               for (eid, role), (r, w, tps) in zip(roles.items(), loads, strict=True)]
+    plan = plan_for(tokens, engines, lease=(lease_engine, lease_blocks) if lease_blocks else None, cached=cached,
+                    policy=PlacementPolicy(decode_local=decode_local))
+    usable_max = (tokens - 1) // BS
+    assert plan.recompute_tokens + plan.local_tokens + plan.pull_tokens == tokens
+    assert plan.local_tokens <= usable_max * BS and plan.pull_tokens <= usable_max * BS
+    assert plan.cached_tokens_seen <= usable_max * BS
+    costs = {Decision.DECODE_LOCAL: plan.cost.decode_local_s, Decision.PREFILL_LOCAL: plan.cost.prefill_local_s,
+             Decision.TRANSFER: plan.cost.transfer_path_s, Decision.RECOMPUTE: plan.cost.recompute_path_s}
+    possible = [c for c in costs.values() if c > 0]
+    assert costs[plan.decision] == min(possible)
+    if plan.decision is Decision.DECODE_LOCAL:
+        assert decode_local and plan.prefill.engine_id == plan.decode.engine_id == "d"
+        assert plan.recompute_tokens <= 512 and plan.recompute_tokens <= 0.5 * tokens
+    elif plan.decision is Decision.TRANSFER:
+        assert plan.source is not None and plan.source.engine_id != plan.prefill.engine_id and plan.pull_tokens > 0
+    else:
+        assert plan.pull_tokens == 0
+    if plan.decision is Decision.PREFILL_LOCAL:
+        assert plan.local_tokens >= 64 and plan.prefill.engine_id in ("p1", "p2")
+    if not decode_local and plan.decode_local_veto:
+        assert plan.decode_local_veto == "disabled"
