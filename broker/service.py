@@ -229,7 +229,9 @@ class BrokerService(broker_pb2_grpc.KVBrokerServicer):
         async for batch in batches:
             reply = pb.PlanBatch()
             for request in batch.requests:
-                with tracer.start_as_current_span("kvloop.v1.KVBroker/PlaceStream", kind=SpanKind.SERVER) as span:
+                parent = propagate.extract({"traceparent": request.traceparent}) if request.traceparent else None
+                with tracer.start_as_current_span("kvloop.v1.KVBroker/PlaceStream", context=parent,
+                                                  kind=SpanKind.SERVER) as span:
                     try:
                         reply.plans.append(await self._place(request))
                     except KvloopError as exc:

@@ -193,7 +193,13 @@ def build_command(config: EngineConfig, *, engine_id: str, port: int, sidecar_so
             "--host", config.host, "--port", str(port),
             "--served-model-name", config.resolved_served_model_name(),
             "--dtype", config.dtype,
-            "--disable-access-log-for-endpoints", "/health,/metrics,/ping"]
+            "--disable-access-log-for-endpoints", "/health,/metrics,/ping",
+            # usage.prompt_tokens_details.cached_tokens: a DECODE_LOCAL turn's own account of its prefix-cache hit.
+            "--enable-prompt-tokens-details"]
+    otlp = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    if otlp:
+        # vLLM's own request spans, parented by the router's traceparent header: the turn's tree reaches the engine.
+        argv += ["--otlp-traces-endpoint", otlp]
     if config.connector != "none":
         argv += ["--kv-transfer-config",
                  json.dumps(config.kv_transfer_config(engine_id, sidecar_socket), separators=(",", ":"))]

@@ -172,9 +172,18 @@ async def _up(args: argparse.Namespace) -> None:
 
 
 def up_main(args: argparse.Namespace) -> int:
-    from kvloop.shared.telemetry import configure_logging
+    from kvloop.shared.telemetry import configure_logging, configure_tracing
 
     configure_logging("console" if sys.stderr.isatty() else "json", "warning")
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_up(args))
+    # The router and the broker run in this process: one tracer provider (service "kvloop-up"; the spans'
+    # instrumentation scopes, kvloop.router and kvloop.broker, tell them apart) exports every turn's tree to
+    # OTEL_EXPORTER_OTLP_ENDPOINT when it is set. Engines and sidecars are processes of their own and export
+    # theirs (the launcher passes the endpoint to vLLM).
+    provider = configure_tracing("kvloop-up")
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(_up(args))
+    finally:
+        if provider is not None:
+            provider.shutdown()  # flush the last turns' spans
     return 0

@@ -13,10 +13,14 @@ class RouterMetrics:
         r = self.registry
         self.ttft = Histogram("kvloop_router_ttft_seconds", "Time to first token as the client sees it, by decision",
                               ["decision"], buckets=_TTFT_BUCKETS, registry=r)
-        self.decisions = Counter("kvloop_router_decisions_total", "Turns by decision and reason",
-                                 ["decision", "reason"], registry=r)
-        self.tokens = Counter("kvloop_router_prompt_tokens_total", "Prompt tokens reused (pulled or local prefix) "
-                              "or recomputed on prefill", ["kind"], registry=r)
+        self.decisions = Counter("kvloop_router_decisions_total", "Turns by the path they actually took (measured) "
+                                 "and the plan's reason", ["decision", "reason"], registry=r)
+        self.plan_outcomes = Counter("kvloop_router_plan_outcomes_total", "Turns by planned path, actual path and "
+                                     "outcome (as_planned, other_path, less_reused)", ["planned", "actual", "outcome"],
+                                     registry=r)
+        self.tokens = Counter("kvloop_router_prompt_tokens_total", "Prompt tokens by what the engines measured: "
+                              "found in the serving engine's own cache (local), pulled, or computed", ["kind"],
+                              registry=r)
         self.pull_bytes = Counter("kvloop_router_pull_bytes_total", "KV bytes pulled by prefill engines", registry=r)
         self.pull_seconds = Histogram("kvloop_router_pull_seconds", "Pull time reported by prefill engines",
                                       buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0), registry=r)

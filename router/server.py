@@ -28,9 +28,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvloop.router.config import RouterConfig
 from kvloop.router.metrics import RouterMetrics
+from kvloop.router.truth import report_from_usage
 from kvloop.router.turn import TurnError, TurnRunner
 from kvloop.shared.config import parse_host_port
-from kvloop.shared.http import engine_client_connector
+from kvloop.shared.http import MEASURED_PREFIX, engine_client_connector
 from kvloop.shared.serving import wait_for_stop, write_port_file
 from kvloop.shared.tls import TlsFiles
 
@@ -42,16 +43,34 @@ def error_response(error: TurnError) -> web.Response:
 
 
 def decision_headers(prepared: Any) -> dict[str, str]:
-    """What the turn decided, for clients and demos (the trace has the same and more)."""
+    """What the turn did, for clients and demos (the trace has the same and more): the path actually taken (from
+    the engines' measurements; :mod:`kvloop.router.truth`), the plan beside it, and the tokens found in the
+    serving engine's own cache, pulled and computed. A DECODE_LOCAL stream's engine account arrives with its last
+    chunk: its headers carry the plan's figures with ``x-kvloop-measured: false``, and :func:`measured_comment`
+    gives the measured ones before ``[DONE]``."""
+    return {"x-kvloop-decision": prepared.path, "x-kvloop-planned": prepared.decision,
+            "x-kvloop-reason": prepared.reason, "x-kvloop-plan-outcome": prepared.outcome,
+            "x-kvloop-measured": str(prepared.measured).lower(),
+            "x-kvloop-prefill-engine": prepared.prefill_engine, "x-kvloop-decode-engine": prepared.decode.engine_id,
+            **figures(prepared), "x-kvloop-timing": ",".join(f"{k}={v}" for k, v in timing_ms(prepared).items())}
+
+
+def figures(prepared: Any) -> dict[str, str]:
     report = prepared.done
-    return {"x-kvloop-decision": prepared.decision, "x-kvloop-reason": prepared.reason,
-            "x-kvloop-prompt-tokens": str(prepared.prompt_tokens),
+    return {"x-kvloop-prompt-tokens": str(prepared.prompt_tokens),
             "x-kvloop-matched-tokens": str(prepared.matched_tokens),
             "x-kvloop-pulled-tokens": str(report.pulled_tokens),
             "x-kvloop-local-tokens": str(report.local_tokens),
             "x-kvloop-computed-tokens": str(report.computed_tokens),
-            "x-kvloop-pull-ms": str(report.pull_ms if prepared.report else 0),
-            "x-kvloop-timing": ",".join(f"{k}={v}" for k, v in timing_ms(prepared).items())}
+            "x-kvloop-pull-ms": str(report.pull_ms if prepared.report else 0)}
+
+
+def measured_comment(prepared: Any) -> bytes:
+    """An SSE comment (clients ignore it) with a stream's measured figures, sent before ``[DONE]``."""
+    body = {"decision": prepared.path, "planned": prepared.decision, "plan_outcome": prepared.outcome,
+            "measured": prepared.measured,
+            **{k.removeprefix("x-kvloop-"): int(float(v)) for k, v in figures(prepared).items()}}
+    return f"{MEASURED_PREFIX}{json.dumps(body, separators=(',', ':'))}\n\n".encode()
 
 
 def timing_ms(prepared: Any) -> dict[str, float]:
@@ -167,6 +186,8 @@ class RouterApp:
                 self.metrics.requests.labels(endpoint, str(exc.status)).inc()
                 return error_response(exc)
             usage = reply.get("usage") or {}
+            if prepared.decode_local:
+                prepared.report = report_from_usage(usage, prepared.prompt_tokens)
             self.runner.finish(prepared, output_tokens=int(usage.get("completion_tokens", 0)),
                                ttft_s=time.perf_counter() - prepared.started)
             self.metrics.requests.labels(endpoint, "200").inc()
@@ -184,10 +205,14 @@ class RouterApp:
                     response = web.StreamResponse(headers={"content-type": "text/event-stream",
                                                            "cache-control": "no-cache", **decision_headers(prepared)})
                     await response.prepare(request)
+                if self.runner.observe(prepared, line):
+                    continue  # the usage chunk the router asked for, not the client
                 if not ttft and line.startswith(b"data: {"):
                     ttft = time.perf_counter() - prepared.started
                 if line.startswith(b"data: {"):
                     chunks += 1
+                if line.startswith(b"data: [DONE]") and prepared.decode_local:
+                    await response.write(measured_comment(prepared))
                 await response.write(line)
         except TurnError as exc:
             self.runner.finish(prepared, output_tokens=0, ttft_s=time.perf_counter() - prepared.started,

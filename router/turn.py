@@ -7,8 +7,11 @@ The steps are :mod:`kvloop.benchmarks.pd_driver`'s, asynchronous and with the fa
   session id (``x-session-id`` header, or ``user``/``session_id`` field) is only a hint to the broker.
 - **Place** over the broker's ``PlaceStream``. Broker unreachable or slow (``broker_timeout_s``): the turn
   recomputes on engines picked round-robin from the last known list (logged, counted).
-- **Pin** the source lease on ``TRANSFER`` (refused: recompute), and name the source in the prefill's
-  ``kv_transfer_params``, cut to the matched, block-aligned prefix.
+- **Pin** the source lease on ``TRANSFER`` in the same broker call (``PlaceRequest.pin``; refused: recompute),
+  and name the source in the prefill's ``kv_transfer_params``, cut to the matched, block-aligned prefix.
+- **DECODE_LOCAL**: no prefill at all; the decode engine that holds the prefix gets the whole request and
+  computes the short tail from its own cache (``decode_local_params``), and reports what it found there in its
+  usage (``cached_tokens``; the router asks for usage and drops it again when the client did not).
 - **Prefill** with ``max_tokens=1``; a failed engine is retried on another prefill engine without the
   pull. ``CompleteTransfer`` goes to the broker in the background, off the critical path.
 - **Decode** with the prefill's params, streamed to the client when asked; a decode engine that fails
@@ -21,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import itertools
+import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -33,9 +37,10 @@ from opentelemetry import propagate, trace
 from kvloop.router.config import RouterConfig
 from kvloop.router.metrics import RouterMetrics
 from kvloop.router.recent import RecentTurns
+from kvloop.router.truth import actual_path, plan_outcome, report_from_usage
 from kvloop.shared.client import BrokerClient, PlacementStream, complete_request, transfer_params
 from kvloop.shared.hashing import ExtraKeys, block_keys
-from kvloop.shared.protocol import SESSION_KEY, PrefillReport, prefill_only_params
+from kvloop.shared.protocol import SESSION_KEY, PrefillReport, decode_local_params, prefill_only_params
 from kvloop.shared.tls import TlsFiles
 from kvloop.v1 import broker_pb2 as pb
 
@@ -116,11 +121,20 @@ class Prepared:
     span: Any
     started: float
     decision: str = "RECOMPUTE"
+    """The planned path (what the broker chose, or RECOMPUTE when it could not be asked)."""
     reason: str = ""
     prompt_tokens: int = 0
     matched_tokens: int = 0
+    planned_local_tokens: int = 0
+    planned_pull_tokens: int = 0
+    block_size: int = 0
+    prefill_engine: str = ""
     report: PrefillReport | None = None
-    """The prefill engine's own account (None: no kvloop connector reported, e.g. the prefill failed over)."""
+    """The prefill engine's own account (None: no kvloop connector reported, e.g. the prefill failed over); on
+    DECODE_LOCAL, the decode engine's, from its usage once the reply is complete."""
+    usage: dict[str, Any] | None = None
+    client_usage: bool = True
+    """False when the router asked the decode engine for usage that the client did not ask for."""
     decode_alternatives: list[EngineInfo] = field(default_factory=list)
     decode_started_ns: int = 0
     prompt_keys: list[bytes] = field(default_factory=list)
@@ -130,9 +144,49 @@ class Prepared:
     decode_first (the decode request to its first streamed line)."""
 
     @property
+    def decode_local(self) -> bool:
+        return self.decision == "DECODE_LOCAL"
+
+    @property
+    def measured(self) -> bool:
+        """Whether an engine's own account of the prompt is in (a DECODE_LOCAL stream's comes at its end)."""
+        return self.report is not None
+
+    @property
     def done(self) -> PrefillReport:
-        """The report, or a full recompute when the engine gave none."""
-        return self.report or PrefillReport(computed_tokens=self.prompt_tokens)
+        """The engine's report; until then (or without one) the plan's figures on DECODE_LOCAL, else a full
+        recompute."""
+        if self.report is not None:
+            return self.report
+        if self.decode_local:
+            return PrefillReport(local_tokens=self.planned_local_tokens,
+                                 computed_tokens=self.prompt_tokens - self.planned_local_tokens)
+        return PrefillReport(computed_tokens=self.prompt_tokens)
+
+    @property
+    def path(self) -> str:
+        """The path the turn actually took (:mod:`kvloop.router.truth`)."""
+        return actual_path(self.decision, self.done)
+
+    @property
+    def outcome(self) -> str:
+        return plan_outcome(self.decision, self.path, self.planned_local_tokens + self.planned_pull_tokens,
+                            self.done.reused_tokens, self.block_size)
+
+
+def plan_attributes(plan: pb.Plan) -> dict[str, Any]:
+    """The broker's plan on the ``kvloop.turn`` span: the path, why, and each path's estimated cost."""
+    cost = plan.cost
+    return {"kvloop.planned": pb.Decision.Name(plan.decision).removeprefix("DECISION_"),
+            "kvloop.plan.reason": plan.reason, "kvloop.plan.local_tokens": plan.local_tokens,
+            "kvloop.plan.pull_tokens": plan.pull_tokens, "kvloop.plan.matched_tokens": plan.matched_tokens,
+            "kvloop.plan.cached_tokens_seen": plan.cached_tokens_seen,
+            "kvloop.plan.decode_local_veto": plan.decode_local_veto,
+            "kvloop.plan.source_engine": plan.source_engine_id, "kvloop.plan.prefill_engine": plan.prefill_engine_id,
+            "kvloop.plan.decode_engine": plan.decode_engine_id,
+            "kvloop.cost.decode_local_s": cost.decode_local_s, "kvloop.cost.prefill_local_s": cost.prefill_local_s,
+            "kvloop.cost.transfer_path_s": cost.transfer_path_s,
+            "kvloop.cost.recompute_path_s": cost.recompute_path_s}
 
 
 class TurnRunner:
@@ -170,14 +224,17 @@ class TurnRunner:
 
     # Engine calls.
 
-    def _headers(self) -> dict[str, str]:
+    def _headers(self, span: Any = None) -> dict[str, str]:
+        """traceparent: vLLM's own spans nest under ours (--otlp-traces-endpoint); the decode runs after
+        ``prepare`` left the turn's span, so it names the span to nest under."""
         headers = {"content-type": "application/json"}
-        propagate.inject(headers)  # traceparent: vLLM's own spans nest under ours (--otlp-traces-endpoint)
+        propagate.inject(headers, context=trace.set_span_in_context(span) if span is not None else None)
         return headers
 
-    async def _post(self, engine: EngineInfo, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _post(self, engine: EngineInfo, path: str, body: dict[str, Any], span: Any = None) -> dict[str, Any]:
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s)
-        async with self.http.post(f"{engine.http}{path}", json=body, headers=self._headers(), timeout=timeout) as r:
+        async with self.http.post(f"{engine.http}{path}", json=body, headers=self._headers(span),
+                                  timeout=timeout) as r:
             data = await r.json(content_type=None)
             if r.status >= 400:
                 raise EngineReplyError(r.status, data)
@@ -243,7 +300,7 @@ class TurnRunner:
                                  f"({self.config.max_prompt_tokens})", "invalid_request_error", "messages")
         span.set_attribute("gen_ai.usage.input_tokens", len(tokens))
         with tracer.start_as_current_span("kvloop.place") as place_span:
-            plan, keys, wait_ms = await self._place(tokens, session)
+            plan, keys, wait_ms, pin = await self._place(tokens, session)
             decision = pb.Decision.Name(plan.decision).removeprefix("DECISION_") if plan else "RECOMPUTE"
             reason = plan.reason if plan else "broker_unavailable"
             place_span.set_attribute("kvloop.decision", decision)
@@ -252,23 +309,36 @@ class TurnRunner:
             timings["publication_wait"] = wait_ms
         prefill = self.directory.engines.get(plan.prefill_engine_id) if plan else None
         decode = self.directory.engines.get(plan.decode_engine_id) if plan else None
+        if decision == "DECODE_LOCAL" and decode is None:
+            decision, reason = "RECOMPUTE", "decode_engine_unknown"
         prefill = prefill or self.directory.pick("prefill")
         decode = decode or self.directory.pick("decode")
         if prefill is None or decode is None:
             raise TurnError(503, "no prefill and decode engines are available")
-        params = prefill_only_params()
-        pin = None
-        if plan is not None and plan.decision == pb.DECISION_TRANSFER:
-            pin = await self._pin(plan, prefill.engine_id)
-            if pin is None:
-                decision, reason = "RECOMPUTE", "pin_refused"
-            else:
-                params = transfer_params(plan, pin)
-            lap("pin")
+        layout = self.directory.layout()
         prepared = Prepared(kind=kind, session=session, body=body, decode=decode, decode_params={}, span=span,
                             started=started, decision=decision, reason=reason, prompt_tokens=len(tokens),
                             matched_tokens=int(plan.matched_tokens) if plan else 0, prompt_keys=keys,
-                            timings_ms=timings)
+                            timings_ms=timings, block_size=layout[1] if layout else 0,
+                            planned_local_tokens=int(plan.local_tokens) if plan else 0,
+                            planned_pull_tokens=int(plan.pull_tokens) if plan else 0)
+        prepared.decode_alternatives = [e for e in self.directory.of_role("decode") if e.engine_id != decode.engine_id]
+        if plan is not None:
+            span.set_attributes(plan_attributes(plan))
+        if decision == "DECODE_LOCAL":
+            # The decode engine serves the whole request from its own prefix cache: no prefill, no pull.
+            prepared.prefill_engine = decode.engine_id
+            prepared.decode_params = decode_local_params(session)
+            return prepared
+        params = prefill_only_params()
+        if decision == "TRANSFER" and plan is not None:
+            pin = pin or await self._pin(plan, prefill.engine_id)
+            if pin is None:
+                prepared.decision, prepared.reason = "RECOMPUTE", "pin_refused"
+                prepared.planned_pull_tokens = 0
+            else:
+                params = transfer_params(plan, pin)
+            lap("pin")
         with tracer.start_as_current_span("kvloop.prefill") as prefill_span:
             reply, used = await self._prefill(body, params, prefill)
             p_params = dict(reply.get("kv_transfer_params") or {})
@@ -278,6 +348,7 @@ class TurnRunner:
                 if key != "pull_failed":
                     prefill_span.set_attribute(f"kvloop.{key}", value)
         lap("prefill")
+        prepared.prefill_engine = used.engine_id
         if pin is not None:
             failed_over = used.engine_id != prefill.engine_id
             self._complete(pin, PrefillReport(pull_failed=True) if failed_over else report)
@@ -285,19 +356,23 @@ class TurnRunner:
                 prepared.reason = "pull_failed_recomputed"
         p_params[SESSION_KEY] = session
         prepared.decode_params, prepared.report = p_params, report
-        prepared.decode_alternatives = [e for e in self.directory.of_role("decode") if e.engine_id != decode.engine_id]
         return prepared
 
-    async def _place(self, tokens: list[int], session: str) -> tuple[pb.Plan | None, list[bytes], float]:
-        """The plan, the prompt's block keys and the milliseconds spent waiting for a publication."""
+    async def _place(self, tokens: list[int], session: str
+                     ) -> tuple[pb.Plan | None, list[bytes], float, pb.PinBlocksResponse | None]:
+        """The plan, the prompt's block keys, the milliseconds spent waiting for a publication, and the pin the
+        broker took with the plan (TRANSFER)."""
         layout = self.directory.layout()
         if self.placements is None or layout is None:
             self.metrics.fallbacks.labels("broker_unavailable").inc()
-            return None, [], 0.0
+            return None, [], 0.0, None
         fingerprint, block_size = layout
         keys = block_keys(tokens, block_size, ExtraKeys(fingerprint))
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier)
         request = pb.PlaceRequest(session_id=session, block_keys=keys, num_tokens=len(tokens),
-                                  layout_fingerprint=fingerprint, block_size=block_size)
+                                  layout_fingerprint=fingerprint, block_size=block_size, pin=True,
+                                  traceparent=carrier.get("traceparent", ""))
         plan = await self._place_once(request)
         wait_ms = 0.0
         # The previous answer's lease may be a few ms from published (router/recent.py): place again until the
@@ -305,6 +380,9 @@ class TurnRunner:
         due, deadline = self.recent.expected(keys, time.monotonic())
         due = min(due, max(0, (len(tokens) - 1) // block_size))
         if plan is not None and plan.matched_blocks < due:
+            if plan.HasField("pin"):  # not the plan this turn will use: let the pin go at once
+                self._complete(plan.pin, PrefillReport(pull_failed=True))
+            request.pin = False  # the re-placements only look; the final plan is pinned by the caller
             waited = time.monotonic()
             while plan is not None and plan.matched_blocks < due and time.monotonic() < deadline:
                 await asyncio.sleep(PUBLICATION_POLL_S)
@@ -315,7 +393,8 @@ class TurnRunner:
             trace.get_current_span().set_attribute("kvloop.publication_wait_ms", wait_ms)
             log.info("router.publication_wait", outcome=outcome, due_blocks=due,
                      matched_blocks=plan.matched_blocks if plan else None)
-        return plan, keys, wait_ms
+        pin = plan.pin if plan is not None and plan.HasField("pin") else None
+        return plan, keys, wait_ms, pin
 
     async def _place_once(self, request: pb.PlaceRequest) -> pb.Plan | None:
         try:
@@ -387,48 +466,67 @@ class TurnRunner:
     def decode_request(self, prepared: Prepared) -> dict[str, Any]:
         request = copy.deepcopy(prepared.body)
         request["kv_transfer_params"] = prepared.decode_params
+        if prepared.decode_local and request.get("stream"):
+            # The decode engine's usage says what it found in its cache: ask for it, drop it if the client did not.
+            options = dict(request.get("stream_options") or {})
+            prepared.client_usage = bool(options.get("include_usage"))
+            request["stream_options"] = {**options, "include_usage": True}
         return request
+
+    def observe(self, prepared: Prepared, line: bytes) -> bool:
+        """Read the decode's usage chunk off a streamed line; True when the line is for the router only."""
+        if not prepared.decode_local or not line.startswith(b"data: {") or b'"usage"' not in line:
+            return False
+        try:
+            data = json.loads(line[6:])
+        except ValueError:
+            return False
+        if not isinstance(data, dict) or not data.get("usage"):
+            return False
+        prepared.usage = data["usage"]
+        prepared.report = report_from_usage(prepared.usage, prepared.prompt_tokens)
+        return not prepared.client_usage and not data.get("choices")
 
     def path(self, prepared: Prepared) -> str:
         return "/v1/chat/completions" if prepared.kind == "chat" else "/v1/completions"
 
     def finish(self, prepared: Prepared, *, output_tokens: int, ttft_s: float, error: str = "") -> None:
-        span, report = prepared.span, prepared.done
+        span, report, path, outcome = prepared.span, prepared.done, prepared.path, prepared.outcome
         if prepared.decode_started_ns:
             decode_span = tracer.start_span("kvloop.decode", context=trace.set_span_in_context(span),
                                             start_time=prepared.decode_started_ns)
             decode_span.set_attribute("kvloop.engine", prepared.decode.engine_id)
             decode_span.set_attribute("gen_ai.usage.output_tokens", output_tokens)
             decode_span.end()
-        span.set_attribute("kvloop.decision", prepared.decision)
-        span.set_attribute("kvloop.reason", prepared.reason)
-        span.set_attribute("kvloop.matched_tokens", prepared.matched_tokens)
-        span.set_attribute("kvloop.pulled_blocks", report.pulled_blocks)
-        span.set_attribute("kvloop.pulled_tokens", report.pulled_tokens)
-        span.set_attribute("kvloop.local_tokens", report.local_tokens)
-        span.set_attribute("kvloop.pulled_bytes", report.pulled_bytes)
-        span.set_attribute("kvloop.pull_ms", report.pull_ms)
-        span.set_attribute("kvloop.recomputed_tokens", report.computed_tokens)
-        span.set_attribute("kvloop.ttft_ms", round(ttft_s * 1e3, 3))
-        span.set_attribute("kvloop.decode_engine", prepared.decode.engine_id)
-        span.set_attribute("gen_ai.usage.output_tokens", output_tokens)
+        span.set_attributes({
+            "kvloop.decision": path, "kvloop.path": path, "kvloop.reason": prepared.reason,
+            "kvloop.plan_vs_actual": outcome, "kvloop.measured": prepared.measured,
+            "kvloop.matched_tokens": prepared.matched_tokens, "kvloop.pulled_blocks": report.pulled_blocks,
+            "kvloop.pulled_tokens": report.pulled_tokens, "kvloop.local_tokens": report.local_tokens,
+            "kvloop.pulled_bytes": report.pulled_bytes, "kvloop.pull_ms": report.pull_ms,
+            "kvloop.recomputed_tokens": report.computed_tokens, "kvloop.ttft_ms": round(ttft_s * 1e3, 3),
+            "kvloop.prefill_engine": prepared.prefill_engine, "kvloop.decode_engine": prepared.decode.engine_id,
+            "gen_ai.usage.output_tokens": output_tokens})
         if error:
             span.set_status(trace.Status(trace.StatusCode.ERROR, error))
         else:
             self.recent.answered(prepared.prompt_keys, time.monotonic())
         span.end()
         m = self.metrics
-        m.ttft.labels(prepared.decision).observe(ttft_s)
-        m.decisions.labels(prepared.decision, prepared.reason).inc()
-        m.tokens.labels("reused").inc(report.reused_tokens)
-        m.tokens.labels("recomputed").inc(report.computed_tokens)
+        m.ttft.labels(path).observe(ttft_s)
+        m.decisions.labels(path, prepared.reason).inc()
+        m.plan_outcomes.labels(prepared.decision, path, outcome).inc()
+        m.tokens.labels("local").inc(report.local_tokens)
+        m.tokens.labels("pulled").inc(report.pulled_tokens)
+        m.tokens.labels("computed").inc(report.computed_tokens)
         if report.pulled_bytes:
             m.pull_bytes.inc(report.pulled_bytes)
             m.pull_seconds.observe(report.pull_ms / 1e3)
-        log.info("router.turn", session=prepared.session or None, decision=prepared.decision, reason=prepared.reason,
-                 prompt_tokens=prepared.prompt_tokens,
-                 matched_tokens=prepared.matched_tokens, pulled_blocks=report.pulled_blocks,
-                 computed_tokens=report.computed_tokens, ttft_ms=round(ttft_s * 1e3, 1), error=error or None)
+        log.info("router.turn", session=prepared.session or None, path=path, planned=prepared.decision,
+                 reason=prepared.reason, outcome=outcome, prompt_tokens=prepared.prompt_tokens,
+                 local_tokens=report.local_tokens, pulled_tokens=report.pulled_tokens,
+                 computed_tokens=report.computed_tokens, prefill_engine=prepared.prefill_engine or None,
+                 decode_engine=prepared.decode.engine_id, ttft_ms=round(ttft_s * 1e3, 1), error=error or None)
 
     async def decode_stream(self, prepared: Prepared) -> AsyncIterator[bytes]:
         """The decode's SSE bytes, relayed as they come; retried on another decode engine before any byte."""
@@ -440,7 +538,7 @@ class TurnRunner:
         for engine in engines:
             try:
                 async with self.http.post(f"{engine.http}{self.path(prepared)}", json=request,
-                                          headers=self._headers(), timeout=timeout) as reply:
+                                          headers=self._headers(prepared.span), timeout=timeout) as reply:
                     if reply.status >= 400:
                         data = await reply.json(content_type=None)
                         if reply.status < 500:
@@ -464,7 +562,7 @@ class TurnRunner:
         last = "no decode engine"
         for engine in [prepared.decode, *prepared.decode_alternatives]:
             try:
-                reply = await self._post(engine, self.path(prepared), request)
+                reply = await self._post(engine, self.path(prepared), request, prepared.span)
                 prepared.decode = engine
                 reply.pop("kv_transfer_params", None)  # internal to the cluster
                 return reply

@@ -1,10 +1,10 @@
 """The connector's scheduler side (EngineCore process, busy-loop thread): keeps books only, never blocks.
 
-- **Decode retains and publishes.** A request that came from a prefill engine and finished normally (stop or
-  length) keeps its full blocks allocated; the link (:mod:`.link`) reports them to the engine's sidecar, which
-  publishes them to the broker as a lease. They are freed when the sidecar relays the broker's eviction or
-  expiry, or when the link's safety hold (``kvloop_hold_s``, renewed by the sidecar while the lease lives) runs
-  out.
+- **Decode retains and publishes.** A request that came from a prefill engine, or was served here whole
+  (DECODE_LOCAL), and finished normally (stop or length) keeps its full blocks allocated; the link
+  (:mod:`.link`) reports them to the engine's sidecar, which publishes them to the broker as a lease. They are
+  freed when the sidecar relays the broker's eviction or expiry, or when the link's safety hold
+  (``kvloop_hold_s``, renewed by the sidecar while the lease lives) runs out.
 - **Prefill reports its pull.** The params a prefill returns carry a :class:`~kvloop.shared.protocol.PrefillReport`;
   the sidecar gets the same figures for the broker's cost model. Which blocks to pull is upstream's logic:
   only what the local prefix cache lacks, nothing under ``kv_recompute_threshold``.
@@ -28,7 +28,14 @@ from vllm.v1.request import RequestStatus
 
 from kvloop.engines.connector.books import PrefillBooks, RetainedRequest, bytes_per_block, retain
 from kvloop.engines.connector.patches import install_idle_fix
-from kvloop.shared.protocol import REPORT_KEY, RETAINED_KEY, SESSION_KEY, ConnectorSettings, PrefillReport
+from kvloop.shared.protocol import (
+    DECODE_LOCAL_KEY,
+    REPORT_KEY,
+    RETAINED_KEY,
+    SESSION_KEY,
+    ConnectorSettings,
+    PrefillReport,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -166,8 +173,10 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
 
     def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params
+        # A decode request whose prompt came from a prefill engine, or one the router sent here whole
+        # (DECODE_LOCAL: the tail computed from this engine's own prefix cache): either is retained.
         came_from_prefill = bool(params) and not params.get("do_remote_decode") and bool(
-            params.get("_remote_blocks_processed"))
+            params.get("_remote_blocks_processed") or params.get(DECODE_LOCAL_KEY))
         report = self._prefill_report(request) if params and params.get("do_remote_decode") else None
         delay_free, out = super().request_finished(request, block_ids)
         if report is not None and out is not None:

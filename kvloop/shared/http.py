@@ -40,6 +40,20 @@ def sse_data(line: bytes | str) -> dict[str, Any] | None:
     return event
 
 
+MEASURED_PREFIX = ": kvloop "
+"""An SSE comment the router sends before ``[DONE]`` when a stream's measured figures came only with its end
+(DECODE_LOCAL); clients that do not know it ignore it, as SSE says comments are."""
+
+
+def sse_measured(line: bytes | str) -> dict[str, Any] | None:
+    """The router's measured-figures comment (``: kvloop {...}``); None for any other line."""
+    text = (line.decode() if isinstance(line, bytes) else line).strip()
+    if not text.startswith(MEASURED_PREFIX.strip()):
+        return None
+    body: dict[str, Any] = json.loads(text[len(MEASURED_PREFIX.strip()):].strip())
+    return body
+
+
 def iter_sse(lines: Iterable[bytes | str]) -> Iterator[dict[str, Any]]:
     """Every JSON event of a stream read line by line (``urllib``'s reply, a list of lines)."""
     for line in lines:

@@ -7,6 +7,8 @@ vLLM's NIXL connector carries its own keys (``do_remote_decode``, ``remote_block
   does not free its retained blocks;
 - on the prefill's reply: :data:`REPORT_KEY`, the :class:`PrefillReport` (tokens found local, pulled, computed);
 - on the decode request: :data:`SESSION_KEY`, the session hint its retained lease is published under;
+- on a DECODE_LOCAL request (:func:`decode_local_params`): :data:`DECODE_LOCAL_KEY`, so the decode engine,
+  which computes the prompt's tail from its own prefix cache, retains and publishes the turn like any other;
 - on the decode's reply: :data:`RETAINED_KEY`, the full blocks it retained.
 
 The connector reads its settings from ``kv_connector_extra_config`` as a :class:`ConnectorSettings`. The
@@ -22,6 +24,7 @@ from typing import Any
 REPORT_KEY = "kvloop"
 SESSION_KEY = "kvloop_session_id"
 RETAINED_KEY = "kvloop_retained_blocks"
+DECODE_LOCAL_KEY = "kvloop_decode_local"
 LEASE_READ_PREFIX = "kvloop-lease-"
 """``remote_request_id`` of a read of retained blocks: this prefix and the broker's lease id."""
 
@@ -115,6 +118,12 @@ def prefill_report(*, prompt_tokens: int, local_tokens: int, external_tokens: in
 def prefill_only_params() -> dict[str, Any]:
     """A prefill request that pulls nothing and hands its KV to a decode engine."""
     return {"do_remote_decode": True, "do_remote_prefill": False}
+
+
+def decode_local_params(session_id: str) -> dict[str, Any]:
+    """A request the decode engine serves whole: no prefill engine, no pull (its prefix is in the engine's own
+    cache); retained and published when it finishes."""
+    return {"do_remote_decode": False, "do_remote_prefill": False, DECODE_LOCAL_KEY: True, SESSION_KEY: session_id}
 
 
 def pull_params(*, source_engine_id: str, lease_id: str, nixl_address: str, block_ids: list[int],

@@ -277,20 +277,22 @@ class CompleteTransferResponse(_message.Message):
     def __init__(self, lease_expires_at_unix: _Optional[float] = ...) -> None: ...
 
 class PlaceRequest(_message.Message):
-    __slots__ = ("session_id", "block_keys", "num_tokens", "layout_fingerprint", "block_size", "pin")
+    __slots__ = ("session_id", "block_keys", "num_tokens", "layout_fingerprint", "block_size", "pin", "traceparent")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     PIN_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     block_keys: _containers.RepeatedScalarFieldContainer[bytes]
     num_tokens: int
     layout_fingerprint: str
     block_size: int
     pin: bool
-    def __init__(self, session_id: _Optional[str] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., pin: _Optional[bool] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, session_id: _Optional[str] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., pin: _Optional[bool] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class CostEstimate(_message.Message):
     __slots__ = ("transfer_s", "recompute_s", "bandwidth_bytes_per_s", "prefill_tokens_per_s", "bytes_per_block", "measured", "decode_local_s", "prefill_local_s", "transfer_path_s", "recompute_path_s")
