@@ -197,7 +197,7 @@ class BrokerService(broker_pb2_grpc.KVBrokerServicer):
         start = time.perf_counter()
         place_input = PlaceInput(keys=list(request.block_keys), num_tokens=request.num_tokens,
                                  layout_fingerprint=request.layout_fingerprint, block_size=request.block_size,
-                                 session_id=request.session_id)
+                                 session_id=request.session_id, decode_local=not request.no_decode_local)
         plan = self.runtime.read(lambda s, now: s.place(place_input, now))
         pin = None
         if request.pin and plan.decision is Decision.TRANSFER:

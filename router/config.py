@@ -29,6 +29,8 @@ class RouterConfig(ServiceConfig):
     publication_wait_s: float = setting(0.5, "for this long after a turn's answer, a next turn that extends it "
                                              "re-places until the decode's lease of that answer is published "
                                              "(agent loops with no think time); 0 = never wait")
+    decode_local: bool = setting(True, "let the broker plan DECODE_LOCAL (a decode engine holding the prefix "
+                                       "computes a short tail itself); off: strict P/D for this router's turns")
     refresh_s: float = setting(2.0, "how often the engine list is refreshed from the broker")
     port_file: str = setting("", "write the bound HTTP port here once serving (for launchers)")
     console_spans: bool = setting(False, "print OpenTelemetry spans to stderr (OTLP uses OTEL_* variables)")

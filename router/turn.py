@@ -372,6 +372,7 @@ class TurnRunner:
         propagate.inject(carrier)
         request = pb.PlaceRequest(session_id=session, block_keys=keys, num_tokens=len(tokens),
                                   layout_fingerprint=fingerprint, block_size=block_size, pin=True,
+                                  no_decode_local=not self.config.decode_local,
                                   traceparent=carrier.get("traceparent", ""))
         plan = await self._place_once(request)
         wait_ms = 0.0

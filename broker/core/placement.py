@@ -64,6 +64,8 @@ class PlaceInput:
     layout_fingerprint: str
     block_size: int
     session_id: str = ""
+    decode_local: bool = True
+    """False: the caller wants strict disaggregation for this request."""
 
 
 def _least_loaded(engines: Iterable[EngineRecord]) -> EngineRecord | None:
@@ -188,7 +190,7 @@ def place(
     if decode_own:
         tail = request.num_tokens - decode_own * bs
         d_load = decode.load
-        if not policy.decode_local:
+        if not (policy.decode_local and request.decode_local):
             veto = "disabled"
         elif tail > policy.decode_local_max_tokens:
             veto = "tail_tokens"

@@ -76,9 +76,10 @@ class PDDriver:
 
     def place(self, prompt_ids: list[int], session: str = "") -> pb.Plan:
         keys = block_keys(prompt_ids, self.block_size, self.extra)
+        # This driver exercises the P/D path itself: it asks for plans without DECODE_LOCAL.
         plan: pb.Plan = self.stub.Place(pb.PlaceRequest(session_id=session, block_keys=keys, num_tokens=len(prompt_ids),
                                                         layout_fingerprint=self.fingerprint,
-                                                        block_size=self.block_size), timeout=10)
+                                                        block_size=self.block_size, no_decode_local=True), timeout=10)
         return plan
 
     def turn(self, prompt_ids: list[int], *, max_tokens: int = 16, session: str = "", prefill: str = "",

@@ -277,7 +277,7 @@ class CompleteTransferResponse(_message.Message):
     def __init__(self, lease_expires_at_unix: _Optional[float] = ...) -> None: ...
 
 class PlaceRequest(_message.Message):
-    __slots__ = ("session_id", "block_keys", "num_tokens", "layout_fingerprint", "block_size", "pin", "traceparent")
+    __slots__ = ("session_id", "block_keys", "num_tokens", "layout_fingerprint", "block_size", "pin", "traceparent", "no_decode_local")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -285,6 +285,7 @@ class PlaceRequest(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     PIN_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    NO_DECODE_LOCAL_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     block_keys: _containers.RepeatedScalarFieldContainer[bytes]
     num_tokens: int
@@ -292,7 +293,8 @@ class PlaceRequest(_message.Message):
     block_size: int
     pin: bool
     traceparent: str
-    def __init__(self, session_id: _Optional[str] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., pin: _Optional[bool] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    no_decode_local: bool
+    def __init__(self, session_id: _Optional[str] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., pin: _Optional[bool] = ..., traceparent: _Optional[str] = ..., no_decode_local: _Optional[bool] = ...) -> None: ...
 
 class CostEstimate(_message.Message):
     __slots__ = ("transfer_s", "recompute_s", "bandwidth_bytes_per_s", "prefill_tokens_per_s", "bytes_per_block", "measured", "decode_local_s", "prefill_local_s", "transfer_path_s", "recompute_path_s")

@@ -322,6 +322,7 @@ def test_services_in_separate_namespaces_transfer_over_the_test_subnet(netns_per
                     grpc=tuple(f"{ADDRESS[r]}:{SIDECAR_PORT}/kvloop.v1.EngineLink" for r in ("prefill", "decode")))
     router = topo.spawn("router", "router", [
         *py, "router", "--listen", ROUTER_URL.removeprefix("http://"), "--broker", BROKER, "--refresh-s", "0.5",
+        "--no-decode-local",  # this test is about the pull across hosts: strict P/D
         "--log-format", "json"])
     topo.wait_ready([etcd, broker, *engines, router], SERVICE_START_TIMEOUT_S, http=(f"{ROUTER_URL}/health",))
     started_s = time.monotonic() - t0

@@ -148,3 +148,10 @@ def test_the_plan_takes_the_cheapest_allowed_path(tokens: int, lease_blocks: int
         assert plan.local_tokens >= 64 and plan.prefill.engine_id in ("p1", "p2")
     if not decode_local and plan.decode_local_veto:
         assert plan.decode_local_veto == "disabled"
+
+
+def test_a_request_can_ask_for_strict_pd() -> None:
+    keys = block_keys(list(range(64 * BS + 100)), BS, ExtraKeys(FP))
+    request = PlaceInput(keys, 64 * BS + 100, FP, BS, "s", decode_local=False)
+    plan = place(request, cluster(), [Match(lease_on("d", 64), 64)], PlacementPolicy())
+    assert plan.decision is Decision.TRANSFER and plan.decode_local_veto == "disabled"
