@@ -58,6 +58,7 @@ def decision_headers(prepared: Any) -> dict[str, str]:
 def figures(prepared: Any) -> dict[str, str]:
     report = prepared.done
     return {"x-kvloop-prompt-tokens": str(prepared.prompt_tokens),
+            "x-kvloop-available-tokens": str(prepared.available_tokens),
             "x-kvloop-matched-tokens": str(prepared.matched_tokens),
             "x-kvloop-pulled-tokens": str(report.pulled_tokens),
             "x-kvloop-local-tokens": str(report.local_tokens),
@@ -67,7 +68,7 @@ def figures(prepared: Any) -> dict[str, str]:
 
 def measured_comment(prepared: Any) -> bytes:
     """An SSE comment (clients ignore it) with a stream's measured figures, sent before ``[DONE]``."""
-    body = {"decision": prepared.path, "planned": prepared.decision, "plan_outcome": prepared.outcome,
+    body = {"decision": prepared.path, "planned": prepared.decision, "plan-outcome": prepared.outcome,
             "measured": prepared.measured,
             **{k.removeprefix("x-kvloop-"): int(float(v)) for k, v in figures(prepared).items()}}
     return f"{MEASURED_PREFIX}{json.dumps(body, separators=(',', ':'))}\n\n".encode()

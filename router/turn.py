@@ -127,6 +127,8 @@ class Prepared:
     matched_tokens: int = 0
     planned_local_tokens: int = 0
     planned_pull_tokens: int = 0
+    available_tokens: int = 0
+    """The longest prefix any engine held (the broker's lease and soft indexes): the reuse this turn could have."""
     block_size: int = 0
     prefill_engine: str = ""
     report: PrefillReport | None = None
@@ -321,7 +323,8 @@ class TurnRunner:
                             matched_tokens=int(plan.matched_tokens) if plan else 0, prompt_keys=keys,
                             timings_ms=timings, block_size=layout[1] if layout else 0,
                             planned_local_tokens=int(plan.local_tokens) if plan else 0,
-                            planned_pull_tokens=int(plan.pull_tokens) if plan else 0)
+                            planned_pull_tokens=int(plan.pull_tokens) if plan else 0,
+                            available_tokens=int(plan.cached_tokens_seen) if plan else 0)
         prepared.decode_alternatives = [e for e in self.directory.of_role("decode") if e.engine_id != decode.engine_id]
         if plan is not None:
             span.set_attributes(plan_attributes(plan))

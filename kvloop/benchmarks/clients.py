@@ -14,7 +14,7 @@ from typing import Any
 
 import aiohttp
 
-from kvloop.shared.http import aiter_sse
+from kvloop.shared.http import sse_data, sse_measured
 from kvloop.shared.protocol import PrefillReport, prefill_only_params
 
 UPSTREAM_KEYS = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host", "remote_port",
@@ -53,7 +53,13 @@ async def stream(http: aiohttp.ClientSession, url: str, body: dict[str, Any], t0
         if reply.status >= 400:
             raise RuntimeError(f"{url} answered {reply.status}: {(await reply.text())[:200]}")
         got = dict(reply.headers)
-        async for chunk in aiter_sse(reply.content):
+        async for line in reply.content:
+            measured = sse_measured(line)  # kvloop's DECODE_LOCAL streams: the engine's account, at the end
+            if measured is not None:
+                got.update({f"x-kvloop-{k}": str(v) for k, v in measured.items()})
+            chunk = sse_data(line)
+            if chunk is None:
+                continue
             if "error" in chunk:
                 raise RuntimeError(str(chunk["error"])[:200])
             for choice in chunk.get("choices", []):

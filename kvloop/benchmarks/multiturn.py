@@ -65,7 +65,7 @@ from kvloop.engines.model import ensure_tiny_model
 from kvloop.shared.http import engine_client_connector, metric_by_label, metric_total, read_metrics
 
 BLOCK = 128
-CONFIGS = ("one_way", "upstream", "kvloop", "ideal", "ideal_same_cores")
+CONFIGS = ("one_way", "upstream", "kvloop", "kvloop_pd", "ideal", "ideal_same_cores")
 PRESSURE = ("upstream_pressure", "kvloop_pressure")
 LATE_TOKENS = 8000
 BREAKDOWN_STEPS = ("tokenize", "place", "publication_wait", "pin", "prefill_queue", "pull", "prefill_compute",
@@ -168,8 +168,11 @@ async def start_config(name: str, model: Path, work: Path, size: Sizing, timeout
                                blocks=size.decode_blocks, extra={}, cores=cores)
         return await asyncio.to_thread(start_engines, [config]), None
     if name.startswith("kvloop"):
+        # kvloop_pd: the same cluster, its router asking for strict P/D (no DECODE_LOCAL): the decode engine's
+        # inter-token latency without tails computed on it, and what DECODE_LOCAL adds to TTFT.
+        router = {"request_timeout_s": timeout_s, "decode_local": name != "kvloop_pd"}
         cluster = await LocalCluster.start(lambda broker: pd("kvloop", broker, {}), work, separate_broker=True,
-                                           broker={"engine_ttl_s": 10.0}, router={"request_timeout_s": timeout_s})
+                                           broker={"engine_ttl_s": 10.0}, router=router)
         return cluster.engines, cluster
     extra = UPSTREAM_EXTRA if name.startswith("upstream") else BASELINE_EXTRA
     return await asyncio.to_thread(start_engines, pd("kvloop", "", extra)), None
@@ -333,6 +336,16 @@ def summarize(name: str, runs: list[dict[str, Any]], late_tokens: int) -> dict[s
                                                           if r.prefill_ttft_s is not None])
     if name.startswith("kvloop"):
         summary["breakdown"] = breakdown(ok)
+        summary["paths"] = {path: round(n / max(1, len(ok)), 3) for path, n in
+                            sorted(Counter(r.decision for r in ok).items())}
+        # The reuse the router could have had (the longest prefix any engine held, per the broker) and what the
+        # engines report they reused (found local or pulled), over all turns.
+        summary["reuse"] = {
+            "available_tokens": sum(int(r.detail.get("available-tokens", 0)) for r in ok),
+            "reused_tokens": sum(int(r.detail.get("local-tokens", 0)) + int(r.detail.get("pulled-tokens", 0))
+                                 for r in ok),
+            "computed_tokens": sum(int(r.detail.get("computed-tokens", 0)) for r in ok),
+            "plan_outcomes": dict(Counter(str(r.detail.get("plan-outcome", "?")) for r in ok))}
     return summary
 
 
@@ -346,6 +359,8 @@ RATIOS = {  # name: (numerator config, denominator config, metric, quantile)
     "kvloop_over_ideal_same_cores_late_p50": ("kvloop", "ideal_same_cores", "late_ttft_ms", "p50"),
     "kvloop_over_ideal_same_cores_late_p99": ("kvloop", "ideal_same_cores", "late_ttft_ms", "p99"),
     "kvloop_over_ideal_same_cores_itl_p99": ("kvloop", "ideal_same_cores", "itl_ms", "p99"),
+    "kvloop_over_kvloop_pd_itl_p99": ("kvloop", "kvloop_pd", "itl_ms", "p99"),
+    "kvloop_over_kvloop_pd_late_p50": ("kvloop", "kvloop_pd", "late_ttft_ms", "p50"),
     "pressure_upstream_over_kvloop_late_p50": ("upstream_pressure", "kvloop_pressure", "late_ttft_ms", "p50"),
     "pressure_upstream_over_kvloop_late_p99": ("upstream_pressure", "kvloop_pressure", "late_ttft_ms", "p99"),
 }

@@ -1,7 +1,7 @@
 """The router end to end on the shared cluster (real broker, real vLLM CPU engines with kvloop's connector and
-sidecars, real NIXL): OpenAI answers streamed and not, a multi-turn chat that transfers from turn 2 on (read
-from an in-memory span exporter), answers equal to a recompute's, an edited history, a broker that cannot be
-reached, and bad input refused in OpenAI's error shape.
+sidecars, real NIXL): OpenAI answers streamed and not, a multi-turn chat that takes each path when it should
+(read from an in-memory span exporter), answers equal to a recompute's, an edited history, a broker that cannot
+be reached, and bad input refused in OpenAI's error shape.
 """
 
 from __future__ import annotations
@@ -126,22 +126,35 @@ async def test_completions_streamed_and_not(router: RunningRouter, pd_engines: P
     assert status == 200 and [m["id"] for m in models["data"]] == [pd_engines.model_name]
 
 
-async def test_four_turn_chat_transfers_from_turn_two_and_matches_recompute(router: RunningRouter,
-                                                                           pd_engines: PDEngines) -> None:
+LONG_TOOL_OUTPUT = " ".join(f"row {i}: status ok, bytes {i * 37 % 1000}, owner agent-{i % 5}" for i in range(60))
+"""~900 tokens: a tail over the broker's decode_local_max_tokens (512), so the turn goes through a prefill engine."""
+
+
+async def test_each_path_is_taken_when_it_should_be_and_answers_match_recompute(router: RunningRouter,
+                                                                               pd_engines: PDEngines) -> None:
+    """Turn 1 recomputes; a short question runs on the decode engine that holds the history (DECODE_LOCAL); a long
+    tool output goes through the prefill engine, which pulls the history it lacks (TRANSFER); a short one again
+    (DECODE_LOCAL, streamed). Every answer equals a recompute's on the prefill engine alone (greedy, float32, up to
+    near-ties), and what each turn reports comes from the engines' own measurements."""
     model = pd_engines.model_name
     messages = [{"role": "system", "content": SYSTEM}]
+    questions = ["Question 0: which block holds note 0?", "Question 1: and note 7?",
+                 f"The tool returned:\n{LONG_TOOL_OUTPUT}\nWhich rows matter?", "Question 3: and note 21?"]
+    expected = ["RECOMPUTE", "DECODE_LOCAL", "TRANSFER", "DECODE_LOCAL"]
     SPANS.clear()
-    for turn in range(4):
-        messages.append({"role": "user", "content": f"Question {turn}: which block holds note {turn * 7}?"})
-        # A new cache_salt per turn keeps the prefill engine's own prefix cache out (block keys do not include
-        # it), so every matched block is pulled from the decode engine.
-        body = chat_body(model, messages, logprobs=True, top_logprobs=2, cache_salt=f"agent-1-turn-{turn}")
+    headers: list[Any] = []
+    for turn, question in enumerate(questions):
+        messages.append({"role": "user", "content": question})
+        body = chat_body(model, messages, logprobs=True, top_logprobs=2)
         # No wait between turns: the router itself waits for the previous answer's lease (router/recent.py).
         if turn == 3:
             text = await stream_chat(f"{router.url}/v1/chat/completions", {**body, "user": "agent-1"})
         else:
-            status, reply = await post(f"{router.url}/v1/chat/completions", body, {"x-session-id": "agent-1"})
-            assert status == 200, reply
+            async with aiohttp.ClientSession() as http, http.post(f"{router.url}/v1/chat/completions", json=body,
+                                                                  headers={"x-session-id": "agent-1"}) as r:
+                assert r.status == 200, await r.text()
+                reply = await r.json()
+                headers.append(r.headers)
             text = reply["choices"][0]["message"]["content"]
             # The same chat recomputed on the prefill engine alone, no cache: the same greedy tokens.
             status, reference = await post(f"{pd_engines.prefill.url}/v1/chat/completions",
@@ -151,18 +164,31 @@ async def test_four_turn_chat_transfers_from_turn_two_and_matches_recompute(rout
         messages.append({"role": "assistant", "content": text})
     spans = turn_spans()
     assert len(spans) == 4
-    decisions = [s.attributes["kvloop.decision"] for s in spans]
-    assert decisions[0] == "RECOMPUTE" and decisions[1:] == ["TRANSFER"] * 3, decisions
-    for span in spans[1:]:
+    assert [s.attributes["kvloop.path"] for s in spans] == expected, [dict(s.attributes) for s in spans]
+    assert [h["x-kvloop-decision"] for h in headers] == expected[:3]
+    for span in spans:
         attrs = span.attributes
-        assert attrs["kvloop.session"] == "agent-1" and attrs["kvloop.reason"] == "transfer_cheaper"
-        assert attrs["kvloop.matched_tokens"] > 300 and attrs["kvloop.pulled_blocks"] > 0
-        assert attrs["kvloop.pulled_tokens"] == attrs["kvloop.matched_tokens"] and attrs["kvloop.local_tokens"] == 0
-        assert attrs["kvloop.recomputed_tokens"] < attrs["gen_ai.usage.input_tokens"]
+        assert attrs["kvloop.session"] == "agent-1" and attrs["kvloop.planned"] == attrs["kvloop.path"]
+        assert attrs["kvloop.plan_vs_actual"] == "as_planned" and attrs["kvloop.measured"], dict(attrs)
+        assert (attrs["kvloop.local_tokens"] + attrs["kvloop.pulled_tokens"] + attrs["kvloop.recomputed_tokens"]
+                == attrs["gen_ai.usage.input_tokens"])
         assert attrs["gen_ai.request.model"] == model and attrs["kvloop.ttft_ms"] > 0
         children = {s.name for s in SPANS.get_finished_spans() if s.parent and s.parent.span_id ==
                     span.context.span_id}
-        assert {"kvloop.tokenize", "kvloop.place", "kvloop.prefill", "kvloop.decode"} <= children
+        assert {"kvloop.tokenize", "kvloop.place", "kvloop.decode"} <= children
+        if attrs["kvloop.path"] == "DECODE_LOCAL":
+            # Served whole by the decode engine: no prefill request, its cache held the history (usage says so).
+            assert attrs["kvloop.reason"] == "short_tail_on_decode" and "kvloop.prefill" not in children
+            assert attrs["kvloop.prefill_engine"] == attrs["kvloop.decode_engine"] == pd_engines.decode.engine_id
+            assert attrs["kvloop.pulled_tokens"] == 0
+            assert attrs["kvloop.local_tokens"] >= attrs["kvloop.plan.local_tokens"] > 300
+        if attrs["kvloop.path"] == "TRANSFER":
+            assert attrs["kvloop.reason"] == "transfer_cheaper" and "kvloop.prefill" in children
+            assert attrs["kvloop.plan.decode_local_veto"] == "tail_tokens"
+            assert attrs["kvloop.pulled_tokens"] > 0 and attrs["kvloop.pulled_blocks"] > 0
+            assert attrs["kvloop.prefill_engine"] == pd_engines.prefill.engine_id
+    # Each turn is retained on the decode engine, DECODE_LOCAL ones too: the last turn's lease covers its prompt.
+    assert spans[3].attributes["kvloop.local_tokens"] > spans[2].attributes["gen_ai.usage.input_tokens"] - 128
 
 
 async def test_edited_history_reuses_only_the_unchanged_prefix(router: RunningRouter, pd_engines: PDEngines) -> None:
