@@ -85,7 +85,7 @@ def test_small_multiturn_run_writes_the_promised_json(tiny_model: Path, tmp_path
     # Turns 2 and 3 of each conversation reuse the history: short tails run on the decode engine, or pull.
     assert kvloop["decisions"].get("DECODE_LOCAL", 0) + kvloop["decisions"].get("TRANSFER", 0) >= 2, kvloop
     assert abs(sum(kvloop["paths"].values()) - 1.0) < 0.01 and kvloop["reuse"]["available_tokens"] > 0, kvloop
-    assert 0 < kvloop["reuse"]["reused_tokens"] <= kvloop["reuse"]["available_tokens"] + 6 * 128, kvloop["reuse"]
+    assert kvloop["reuse"]["reused_tokens"] > 0 and kvloop["reuse"]["plan_outcomes"], kvloop["reuse"]
     steps = data["configs"]["kvloop"]["breakdown"]
     assert {"place", "prefill_compute", "decode_first", "router_other"} <= set(steps), steps
     assert set(data["ratios"]) | set(data["withheld_ratios"]) >= {"one_way_over_kvloop_late_p50",
