@@ -82,8 +82,10 @@ def best_match(matches: Iterable[Match], session_id: str) -> Match | None:
     )
 
 
-def _tps(engine: EngineRecord, policy: PlacementPolicy) -> tuple[float, bool]:
-    tps = engine.load.prefill_tokens_per_s
+def _tps(engine: EngineRecord, policy: PlacementPolicy, fleet: float = 0.0) -> tuple[float, bool]:
+    """The engine's measured prefill rate; else the median of its peers' (same model and layout: decode engines
+    report none, as their connector measures only prefill requests); else the configured default."""
+    tps = engine.load.prefill_tokens_per_s or fleet
     return (tps, True) if tps > 0 else (policy.default_prefill_tokens_per_s, False)
 
 
@@ -133,6 +135,8 @@ def place(
         if e.info.layout_fingerprint == request.layout_fingerprint and e.info.block_size == request.block_size
     ]
     by_id = {e.info.engine_id: e for e in fit}
+    reported = sorted(e.load.prefill_tokens_per_s for e in fit if e.load.prefill_tokens_per_s > 0)
+    fleet = reported[len(reported) // 2] if reported else 0.0
     prefills = sorted((e for e in fit if e.info.role.can_prefill), key=lambda e: (e.load.score, e.info.engine_id))
     decode = _least_loaded(e for e in fit if e.info.role.can_decode)
     if not prefills or decode is None:
@@ -172,7 +176,7 @@ def place(
 
     def hop(engine: EngineRecord, compute_tokens: int) -> float:
         return (policy.pd_hop_s + engine.load.score * policy.queue_penalty_s
-                + compute_tokens / _tps(engine, policy)[0])
+                + compute_tokens / _tps(engine, policy, fleet)[0])
 
     options: list[_Option] = []
     for p in prefills:
@@ -199,7 +203,7 @@ def place(
         elif d_load.waiting_requests > 0 or d_load.running_requests >= policy.decode_local_max_running:
             veto = "decode_busy"
         else:
-            options.append(_Option(tail / _tps(decode, policy)[0], Decision.DECODE_LOCAL, decode, decode_own,
+            options.append(_Option(tail / _tps(decode, policy, fleet)[0], Decision.DECODE_LOCAL, decode, decode_own,
                                    decode_own))
     rank = {Decision.DECODE_LOCAL: 0, Decision.PREFILL_LOCAL: 1, Decision.TRANSFER: 2, Decision.RECOMPUTE: 3}
     best = min(options, key=lambda o: (o.seconds, rank[o.decision], o.prefill.load.score, o.prefill.info.engine_id))
@@ -213,7 +217,7 @@ def place(
     transfers = [o for o in options if o.pull is not None]
     cost = min(transfers, key=lambda o: o.seconds).pull if transfers else None
     cost = cost or CostEstimate()
-    tps, tps_measured = _tps(best.prefill if best.decision is not Decision.DECODE_LOCAL else decode, policy)
+    tps, tps_measured = _tps(best.prefill if best.decision is not Decision.DECODE_LOCAL else decode, policy, fleet)
     cost = CostEstimate(cost.transfer_s, cost.recompute_s, cost.bandwidth_bytes_per_s, tps, cost.bytes_per_block,
                         cost.measured if best.decision is Decision.TRANSFER else tps_measured,
                         decode_local_s=cheapest(Decision.DECODE_LOCAL),

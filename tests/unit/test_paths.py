@@ -155,3 +155,10 @@ def test_a_request_can_ask_for_strict_pd() -> None:
     request = PlaceInput(keys, 64 * BS + 100, FP, BS, "s", decode_local=False)
     plan = place(request, cluster(), [Match(lease_on("d", 64), 64)], PlacementPolicy())
     assert plan.decision is Decision.TRANSFER and plan.decode_local_veto == "disabled"
+
+
+def test_a_decode_engine_without_its_own_rate_is_priced_at_its_peers() -> None:
+    engines = [engine("p1", Role.PREFILL, prefill_tokens_per_s=500.0), engine("d", Role.DECODE)]
+    plan = plan_for(64 * BS + 100, engines, lease=("d", 64))
+    assert plan.decision is Decision.DECODE_LOCAL and plan.cost.measured
+    assert plan.cost.decode_local_s == pytest.approx(100 / 500.0)
