@@ -49,9 +49,12 @@ def publish_request(eid: str, toks: Sequence[int], fp: str, *, first_block_id: i
                                   num_tokens=len(toks), ttl_s=ttl_s)
 
 
-def place_request(toks: Sequence[int], fp: str, *, session: str = "", bs: int = BS) -> pb.PlaceRequest:
+def place_request(toks: Sequence[int], fp: str, *, session: str = "", bs: int = BS, decode_local: bool = False,
+                  pin: bool = False) -> pb.PlaceRequest:
+    """A placement request; strict P/D unless ``decode_local`` (these tests are about the P/D paths' bookkeeping;
+    tests/integration/test_broker_service.py::test_decode_local_and_place_and_pin covers the rest)."""
     return pb.PlaceRequest(session_id=session, block_keys=keys_for(toks, fp, bs), num_tokens=len(toks),
-                           layout_fingerprint=fp, block_size=bs)
+                           layout_fingerprint=fp, block_size=bs, no_decode_local=not decode_local, pin=pin)
 
 
 class Broker:

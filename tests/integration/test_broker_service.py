@@ -159,6 +159,35 @@ async def test_place_stream_matches_place(broker: Broker) -> None:
 # ------------------------------------------------------------------------------------------ leases and pins
 
 
+async def test_decode_local_and_place_and_pin(broker: Broker) -> None:
+    """Through the service: a short tail on the decode engine holding the prefix is DECODE_LOCAL; a request
+    asking for strict P/D gets TRANSFER, with its pin taken in the same call (PlaceRequest.pin); a TRANSFER
+    whose lease is gone by the time of the pin turns into RECOMPUTE (pin_refused)."""
+    fp, pre = "fp-paths", "paths"
+    await register_cluster(broker, pre, fp)
+    published = tokens(4 * BS + 10)
+    lease = (await broker.stub.PublishLease(publish_request(f"{pre}-d", published, fp, first_block_id=40),
+                                            timeout=5)).lease
+    prompt = published + tokens(100, start=60_000)
+    plan = await broker.stub.Place(place_request(prompt, fp, decode_local=True, pin=True), timeout=5)
+    assert (plan.decision, plan.reason) == (pb.DECISION_DECODE_LOCAL, "short_tail_on_decode")
+    assert plan.decode_engine_id == plan.prefill_engine_id == f"{pre}-d" and not plan.HasField("pin")
+    assert plan.local_tokens == 4 * BS and plan.pull_tokens == 0 and plan.recompute_tokens == len(prompt) - 4 * BS
+    assert 0 < plan.cost.decode_local_s < plan.cost.transfer_path_s < plan.cost.recompute_path_s
+
+    plan = await broker.stub.Place(place_request(prompt, fp, pin=True), timeout=5)
+    assert plan.decision == pb.DECISION_TRANSFER and plan.decode_local_veto == "disabled"
+    assert plan.pin.pin_id and list(plan.pin.block_ids) == [40, 41, 42, 43] and plan.pull_tokens == 4 * BS
+    reply = await broker.inspect()
+    assert [(p.lease_id, p.reader_engine_id) for p in reply.pins if p.pin_id == plan.pin.pin_id] == [
+        (lease.lease_id, plan.prefill_engine_id)]
+    await broker.stub.CompleteTransfer(pb.CompleteTransferRequest(pin_id=plan.pin.pin_id, success=True), timeout=5)
+
+    await broker.stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=lease.lease_id), timeout=5)
+    plan = await broker.stub.Place(place_request(prompt, fp, pin=True), timeout=5)
+    assert plan.decision == pb.DECISION_RECOMPUTE and plan.reason == "no_match" and not plan.HasField("pin")
+
+
 async def test_pin_and_complete_transfer_renews_the_lease(broker: Broker) -> None:
     fp, pre = "fp-pin", "pin"
     await register_cluster(broker, pre, fp)
