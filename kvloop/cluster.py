@@ -149,7 +149,7 @@ async def _up(args: argparse.Namespace) -> None:
                                   max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib,
                                   log_level="warning"),
         work, etcd=args.etcd, broker={"listen": args.broker_listen},
-        router={"listen": args.router_listen}, on_step=say)
+        router={"listen": args.router_listen, "tokenizer": str(model)}, on_step=say)
     try:
         for engine in cluster.engines:
             print(f"  engine {engine.engine_id:<10} {engine.plan.config.role:<8} {engine.url}  "

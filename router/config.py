@@ -31,6 +31,9 @@ class RouterConfig(ServiceConfig):
                                              "(agent loops with no think time); 0 = never wait")
     decode_local: bool = setting(True, "let the broker plan DECODE_LOCAL (a decode engine holding the prefix "
                                        "computes a short tail itself); off: strict P/D for this router's turns")
+    tokenizer: str = setting("", "the served model's directory or hub name: tokenize in the router with its own "
+                                 "tokenizer and chat template (one engine round trip less per turn); empty = "
+                                 "ask an engine's /tokenize")
     refresh_s: float = setting(2.0, "how often the engine list is refreshed from the broker")
     port_file: str = setting("", "write the bound HTTP port here once serving (for launchers)")
     console_spans: bool = setting(False, "print OpenTelemetry spans to stderr (OTLP uses OTEL_* variables)")

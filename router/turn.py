@@ -2,8 +2,9 @@
 
 The steps are :mod:`kvloop.benchmarks.pd_driver`'s, asynchronous and with the fallbacks a front door needs:
 
-- **Tokenize** on an engine's ``/tokenize`` with the request's own chat-template arguments, so the token
-  ids (and so the block keys) are exactly the ones the engines will compute. Matching is by content; a
+- **Tokenize** in the router with the served model's tokenizer when configured (:mod:`.tokenizer`), else, and
+  for what it does not render, on an engine's ``/tokenize`` with the request's own chat-template arguments, so
+  the token ids (and so the block keys) are exactly the ones the engines will compute. Matching is by content; a
   session id (``x-session-id`` header, or ``user``/``session_id`` field) is only a hint to the broker.
 - **Place** over the broker's ``PlaceStream``. Broker unreachable or slow (``broker_timeout_s``): the turn
   recomputes on engines picked round-robin from the last known list (logged, counted).
@@ -37,6 +38,7 @@ from opentelemetry import propagate, trace
 from kvloop.router.config import RouterConfig
 from kvloop.router.metrics import RouterMetrics
 from kvloop.router.recent import RecentTurns
+from kvloop.router.tokenizer import RouterTokenizer
 from kvloop.router.truth import actual_path, plan_outcome, report_from_usage
 from kvloop.shared.client import BrokerClient, PlacementStream, complete_request, transfer_params
 from kvloop.shared.hashing import ExtraKeys, block_keys
@@ -202,6 +204,7 @@ class TurnRunner:
         self.placements = PlacementStream(self.broker.stub) if self.broker else None
         self._background: set[asyncio.Task[Any]] = set()
         self.recent = RecentTurns(config.publication_wait_s)
+        self.tokenizer = RouterTokenizer(config.tokenizer) if config.tokenizer else None
 
     async def refresh(self) -> None:
         if self.broker is None:
@@ -247,6 +250,10 @@ class TurnRunner:
         if kind == "completion" and isinstance(body.get("prompt"), list) and all(
                 isinstance(t, int) for t in body["prompt"]):
             return list(body["prompt"])
+        if self.tokenizer is not None:
+            local = await asyncio.to_thread(self.tokenizer.tokens, kind, body, CHAT_TEMPLATE_FIELDS)
+            if local is not None:
+                return local
         request: dict[str, Any] = {"model": body.get("model")}
         if kind == "chat":
             request["messages"] = body["messages"]

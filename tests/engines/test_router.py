@@ -44,7 +44,7 @@ def in_memory_spans() -> None:
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def router(pd_engines: PDEngines) -> AsyncIterator[RunningRouter]:
     running = await start_router(RouterConfig(listen="127.0.0.1:0", broker=pd_engines.broker, refresh_s=0.5,
-                                              log_format="console"))
+                                              log_format="console", tokenizer=str(pd_engines.model_dir)))
     try:
         async with aiohttp.ClientSession() as http:
             for _ in range(200):  # health turns 200 once the broker's engine list arrived
@@ -124,6 +124,32 @@ async def test_completions_streamed_and_not(router: RunningRouter, pd_engines: P
     async with aiohttp.ClientSession() as http, http.get(f"{router.url}/v1/models") as r:
         status, models = r.status, await r.json()
     assert status == 200 and [m["id"] for m in models["data"]] == [pd_engines.model_name]
+
+
+async def test_the_routers_tokenizer_equals_the_engines(router: RunningRouter, pd_engines: PDEngines) -> None:
+    """The router tokenizes with the model's own tokenizer and chat template: the same ids as the engine's
+    /tokenize (so the same block keys), and what it does not render is left to the engine."""
+    from kvloop.router.turn import CHAT_TEMPLATE_FIELDS
+
+    tokenizer = router.runner.tokenizer
+    assert tokenizer is not None
+    model = pd_engines.model_name
+    history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Plan the next step."},
+               {"role": "assistant", "content": "Read the file, then run the tests."},
+               {"role": "user", "content": "Ünïcode, emoji 🙂 and\ttabs\n\nand blank lines."}]
+    cases: list[tuple[str, dict[str, Any]]] = [
+        ("chat", {"model": model, "messages": history}),
+        ("chat", {"model": model, "messages": history[:2], "add_generation_prompt": False}),
+        ("completion", {"model": model, "prompt": "The broker keeps leases and"}),
+    ]
+    for kind, body in cases:
+        mine = tokenizer.tokens(kind, body, CHAT_TEMPLATE_FIELDS)
+        status, reply = await post(f"{pd_engines.prefill.url}/tokenize", body)
+        assert status == 200 and mine == reply["tokens"], (kind, body.keys())
+    tools = [{"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}]
+    assert tokenizer.tokens("chat", {"model": model, "messages": history, "tools": tools}, CHAT_TEMPLATE_FIELDS) is None
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    assert tokenizer.tokens("chat", {"model": model, "messages": parts}, CHAT_TEMPLATE_FIELDS) is None
 
 
 LONG_TOOL_OUTPUT = " ".join(f"row {i}: status ok, bytes {i * 37 % 1000}, owner agent-{i % 5}" for i in range(60))
