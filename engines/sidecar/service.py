@@ -128,9 +128,8 @@ class Sidecar(engine_link_pb2_grpc.EngineLinkServicer):
             return
         if old is not None:
             self._spawn(old.close())
+        # It reports once the engine is (re-)registered under this incarnation: _set_registered tells it.
         self.cache_feed = CacheFeed(self.config, self.broker, self.metrics, hello.incarnation, hello.block_size)
-        if self.registered.is_set():
-            self.cache_feed.on_registered()
 
     def _set_registered(self, registered: bool) -> None:
         if self.cache_feed is not None:
