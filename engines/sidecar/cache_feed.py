@@ -51,15 +51,15 @@ class CacheFeed:
         self._ctx = zmq.asyncio.Context()
         self._registered = False
         self._wake = asyncio.Event()
-        self._tasks = [asyncio.create_task(self._subscribe()), asyncio.create_task(self._report())]
+        self._tasks = [asyncio.create_task(self._subscribe(), name="kv-events-subscriber"),
+                       asyncio.create_task(self._report(), name="kv-events-reporter")]
         for task in self._tasks:
             task.add_done_callback(self._ended)
 
     @staticmethod
     def _ended(task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None:
-            log.error("cache_events.task_failed", task=task.get_coro().__qualname__,  # type: ignore[union-attr]
-                      error=repr(task.exception()))
+            log.error("cache_events.task_failed", task=task.get_name(), error=repr(task.exception()))
 
     # ---------------------------------------------------------------- from the sidecar
     def on_registered(self) -> None:
@@ -91,8 +91,8 @@ class CacheFeed:
             while True:
                 frames = await sub.recv_multipart()
                 if len(frames) != 3 or len(frames[1]) != 8:
-                    self.metrics.cache_resets.labels("malformed").inc()
-                    continue
+                    self.metrics.cache_events.labels("malformed").inc()
+                    continue  # its seq, if it had one, is missed: the next batch finds the gap
                 await self._on_message(int.from_bytes(frames[1], "big"), frames[2])
         finally:
             sub.close(linger=0)
@@ -153,15 +153,15 @@ class CacheFeed:
         self.tracker.applied(seq)
         try:
             events = decode_batch(payload)
-        except ValueError as exc:
+            for event in events:
+                kind = event.get("type")
+                self.metrics.cache_events.labels(kind if kind in EVENT_TYPES else "other").inc()
+            lost = self.mirror.apply(events)
+        except (ValueError, TypeError) as exc:  # not vLLM's format (a hash that is a list, a token id out of range)
             log.warning("cache_events.malformed", seq=seq, error=str(exc))
-            self.mirror.lose_track("malformed")
-            self.metrics.cache_resets.labels("malformed").inc()
-            events = []
-        for event in events:
-            kind = event.get("type")
-            self.metrics.cache_events.labels(kind if kind in EVENT_TYPES else "other").inc()
-        for reason in self.mirror.apply(events):
+            lost = []
+            self.mirror.lose_track("malformed", lost)
+        for reason in lost:
             log.info("cache_events.lost_track", reason=reason, seq=seq)
             self.metrics.cache_resets.labels(reason).inc()
         self.metrics.cached_blocks.set(len(self.mirror))
