@@ -57,6 +57,8 @@ class Publisher:
 
     def close(self) -> None:
         self.pub.shutdown()
+        for endpoint in (self.endpoint, self.replay_endpoint):  # ZMQ leaves ipc:// socket files behind
+            Path(endpoint.removeprefix("ipc://")).unlink(missing_ok=True)
 
 
 @pytest.fixture
