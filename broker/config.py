@@ -13,6 +13,8 @@ from kvloop.shared.config import ServiceConfig, parse_host_port, setting
 from kvloop.shared.telemetry import LOG_FORMATS, LOG_LEVELS
 from kvloop.shared.tls import check_files
 
+SOFT_INDEX_MAX_BLOCKS = 1 << 24
+
 
 @dataclass(frozen=True)
 class BrokerConfig(ServiceConfig):
@@ -38,6 +40,9 @@ class BrokerConfig(ServiceConfig):
     max_message_bytes: int = setting(4 * 1024 * 1024, "largest gRPC message accepted, in bytes")
     max_id_len: int = setting(256, "longest engine, session, lease or pin id accepted")
     eviction_log_size: int = setting(4096, "eviction commands kept per engine for replay on reconnect")
+    soft_index_max_blocks: int = setting(65536, "soft index: most block keys kept per engine from its prefix-cache "
+                                                "events (the oldest-stored go first); memory only")
+    max_cache_event_keys: int = setting(4096, "most stored (and most removed) keys in one ReportCacheEvents batch")
     eviction_policy: str = setting("cost", "victim choice: cost (cheapest to recompute per block) or lru",
                                    choices=POLICIES)
     recency_half_life_s: float = setting(120.0, "cost policy: a lease's value halves every this many idle seconds")
@@ -101,6 +106,11 @@ class BrokerConfig(ServiceConfig):
                      "default_bytes_per_block"):
             self._require(getattr(self, name) > 0, name, "must be positive")
         self._require(self.max_message_bytes >= 64 * 1024, "max_message_bytes", "must be at least 65536")
+        # ~100 bytes a key in memory: the top of the range is ~1.6 GiB for one engine.
+        self._require(1 <= self.soft_index_max_blocks <= SOFT_INDEX_MAX_BLOCKS, "soft_index_max_blocks",
+                      f"must be within 1..{SOFT_INDEX_MAX_BLOCKS}")
+        # 34 bytes a key on the wire: a batch over max_message_bytes is refused by gRPC itself.
+        self._require(1 <= self.max_cache_event_keys <= 65536, "max_cache_event_keys", "must be within 1..65536")
         for name in ("threshold_tokens", "transfer_overhead_s", "sticky_load_gap", "shutdown_grace_s", "pd_hop_s",
                      "queue_penalty_s", "decode_local_max_tokens"):
             self._require(getattr(self, name) >= 0, name, "must not be negative")
@@ -127,7 +137,8 @@ class BrokerConfig(ServiceConfig):
             max_block_keys=self.max_block_keys, min_ttl_s=self.min_ttl_s, max_ttl_s=self.max_ttl_s,
             default_ttl_s=self.default_ttl_s, default_pin_timeout_s=self.default_pin_timeout_s,
             max_pin_timeout_s=self.max_pin_timeout_s, engine_ttl_s=self.engine_ttl_s, max_id_len=self.max_id_len,
-            eviction_log_size=self.eviction_log_size,
+            eviction_log_size=self.eviction_log_size, soft_index_max_blocks=self.soft_index_max_blocks,
+            max_cache_event_keys=self.max_cache_event_keys,
         )
 
     def placement(self) -> PlacementPolicy:

@@ -18,6 +18,7 @@ from kvloop.broker.core import (
     Pin,
     Plan,
     Role,
+    SoftAck,
 )
 from kvloop.shared.errors import InvalidArgument
 from kvloop.v1 import broker_pb2 as pb
@@ -136,8 +137,14 @@ def plan_to_pb(plan: Plan) -> pb.Plan:
     )
 
 
-def engine_status_to_pb(rec: EngineRecord, retained: int, leases: int) -> pb.EngineStatus:
+def engine_status_to_pb(rec: EngineRecord, retained: int, leases: int, cached_blocks: int = 0,
+                        cache_resets: int = 0) -> pb.EngineStatus:
     return pb.EngineStatus(
         engine=engine_to_pb(rec.info), load=load_to_pb(rec.load), retained_blocks=retained, leases=leases,
-        last_seen_unix=rec.last_seen, last_eviction_seq=rec.eviction_seq,
+        last_seen_unix=rec.last_seen, last_eviction_seq=rec.eviction_seq, cached_blocks=cached_blocks,
+        cache_resets=cache_resets,
     )
+
+
+def cache_ack_to_pb(ack: SoftAck) -> pb.CacheEventAck:
+    return pb.CacheEventAck(reset=ack.reset, cached_blocks=ack.cached_blocks, expected_seq=ack.expected_seq)

@@ -31,17 +31,20 @@ class _StateCollector(Collector):
         leases = GaugeMetricFamily("kvloop_broker_leases", "leases held per engine", labels=["engine"])
         pins = GaugeMetricFamily("kvloop_broker_pins", "pins in flight")
         engines = GaugeMetricFamily("kvloop_broker_engines", "live engines by role", labels=["role"])
+        cached = GaugeMetricFamily("kvloop_broker_cached_blocks", "blocks in each engine's soft index (its prefix "
+                                   "cache, as its KV events tell it)", labels=["engine"])
         if state is not None:
             by_role: dict[str, int] = {}
             for engine_id, rec in list(state.engines.items()):
                 retained.add_metric([engine_id], state.retained_blocks(engine_id))
                 budget.add_metric([engine_id], rec.info.retention_budget_blocks)
                 leases.add_metric([engine_id], len(state.engine_lease_ids(engine_id)))
+                cached.add_metric([engine_id], state.soft.cached_blocks(engine_id))
                 by_role[rec.info.role.value] = by_role.get(rec.info.role.value, 0) + 1
             for role, n in by_role.items():
                 engines.add_metric([role], n)
             pins.add_metric([], len(state.pins))
-        yield from (retained, budget, leases, pins, engines)
+        yield from (retained, budget, leases, pins, engines, cached)
 
 
 class BrokerMetrics:
@@ -57,6 +60,10 @@ class BrokerMetrics:
                                            buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.rpc_latency = Histogram("kvloop_broker_rpc_seconds", "RPC handling latency", ["method"],
                                      buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.cache_events = Counter("kvloop_broker_cache_events", "engines' prefix-cache events applied to the soft "
+                                    "index, by kind (stored, removed, cleared)", ["kind"], registry=self.registry)
+        self.cache_resets = Counter("kvloop_broker_cache_resets", "soft index resets, by reason (requested, gap, "
+                                    "incarnation)", ["reason"], registry=self.registry)
         self.rpc_errors = Counter("kvloop_broker_rpc_errors", "RPCs refused, by method and status code",
                                   ["method", "code"], registry=self.registry)
 

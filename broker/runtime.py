@@ -81,6 +81,12 @@ class BrokerRuntime:
         """A read-only operation on the state (placement, inspection, stream replay)."""
         return fn(self.require_state(), self.clock())
 
+    def volatile(self, fn: Callable[[BrokerState, float], T]) -> T:
+        """An operation that changes only what the state keeps in memory and never persists (the soft index of
+        the engines' prefix caches): it writes nothing to the store, so it costs no etcd round trip, and after a
+        fail-over or restart that part of the state starts empty."""
+        return fn(self.require_state(), self.clock())
+
     async def mutate(self, fn: Callable[[BrokerState, float], T]) -> T:
         """Run ``fn`` on the state and return once what it changed is durable in the store.
 

@@ -240,6 +240,28 @@ class BrokerService(broker_pb2_grpc.KVBrokerServicer):
                         reply.plans.append(pb.Plan(error=f"{exc.status.value}: {exc.message}"))
             yield reply
 
+    @rpc("ReportCacheEvents")
+    async def ReportCacheEvents(self, request: pb.CacheEventBatch, context: Any) -> pb.CacheEventAck:
+        """Into the soft index, in memory only (``volatile``): a hint for placement, never worth an etcd write."""
+        stored, removed = list(request.stored_keys), list(request.removed_keys)
+        ack = self.runtime.volatile(
+            lambda s, now: s.report_cache_events(request.engine_id, request.incarnation, request.seq,
+                                                 reset=request.reset, cleared=request.cleared, stored=stored,
+                                                 removed=removed))
+        metrics = self.runtime.metrics
+        if ack.counted and ack.reason is not None:
+            metrics.cache_resets.labels(reason=ack.reason.value).inc()
+        for kind, n in (("stored", ack.stored), ("removed", ack.removed), ("cleared", int(request.cleared))):
+            if n:
+                metrics.cache_events.labels(kind=kind).inc(n)
+        if ack.counted:
+            log.info("cache_index.reset", engine=request.engine_id, reason=ack.reason.value if ack.reason else "",
+                     seq=request.seq)
+        trace.get_current_span().set_attributes({"kvloop.engine_id": request.engine_id, "kvloop.seq": request.seq,
+                                                 "kvloop.cached_blocks": ack.cached_blocks,
+                                                 "kvloop.reset": ack.reset})
+        return convert.cache_ack_to_pb(ack)
+
     @rpc("Inspect")
     async def Inspect(self, request: pb.InspectRequest, context: Any) -> pb.InspectResponse:
         runtime = self.runtime
@@ -250,7 +272,8 @@ class BrokerService(broker_pb2_grpc.KVBrokerServicer):
 
         def inspect(s: BrokerState, now: float) -> pb.InspectResponse:
             base.engines.extend(
-                convert.engine_status_to_pb(rec, s.retained_blocks(eid), len(s.engine_lease_ids(eid)))
+                convert.engine_status_to_pb(rec, s.retained_blocks(eid), len(s.engine_lease_ids(eid)),
+                                            s.soft.cached_blocks(eid), s.soft.resets(eid))
                 for eid, rec in sorted(s.engines.items()))
             base.leases.extend(convert.lease_to_pb(x) for x in sorted(s.leases.values(), key=lambda x: x.created_at))
             base.pins.extend(convert.pin_to_pb(p) for p in s.pins.values())

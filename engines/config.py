@@ -26,7 +26,7 @@ from typing import Any
 from kvloop.shared.config import ServiceConfig, parse_host_port, setting
 from kvloop.shared.errors import ConfigError
 from kvloop.shared.paths import checkout_root
-from kvloop.shared.protocol import DEFAULT_HOLD_S, ConnectorSettings
+from kvloop.shared.protocol import DEFAULT_HOLD_S, KV_EVENTS_TOPIC, ConnectorSettings
 from kvloop.shared.telemetry import LOG_FORMATS, LOG_LEVELS
 from kvloop.shared.tls import check_files
 
@@ -52,7 +52,12 @@ MANAGED_VLLM_FLAGS = {
     "--kv-transfer-config": "connector / kv_connector_extra_config", "--dtype": "dtype",
     "--block-size": "block_size", "--max-model-len": "max_model_len", "--enforce-eager": "enforce_eager",
     "--no-enforce-eager": "enforce_eager", "--uds": "host/port",
+    "--kv-events-config": "kv_events / kv_events_endpoint / kv_events_replay_endpoint",
 }
+ZMQ_SCHEMES = ("ipc://", "tcp://")
+KV_EVENTS_BUFFER_STEPS = 10_000
+"""Engine steps' events the publisher keeps for its replay endpoint (vLLM's default): a sidecar that joins late or
+misses a few catches up from there instead of resetting the broker's index."""
 
 _CPU_LIST = re.compile(r"^\d+(-\d+)?(,\d+(-\d+)?)*(\|\d+(-\d+)?(,\d+(-\d+)?)*)*$")
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
@@ -144,6 +149,15 @@ class EngineConfig(ServiceConfig):
     sidecar_tls_key: Path | None = setting(None, "PEM private key of sidecar_tls_cert")
     sidecar_tls_ca: Path | None = setting(None, "PEM CA: clients of the sidecar's gRPC port must present a "
                                                 "certificate it signed")
+    kv_events: bool = setting(True, "kvloop connector: publish vLLM's KV cache events (prefix-cache blocks stored and "
+                                    "removed) for the sidecar, which reports them to the broker's soft index")
+    kv_events_endpoint: str = setting("", "ZMQ endpoint the KV events are published on (ipc:// or tcp://; default: an "
+                                          "ipc:// socket in the run folder when the launcher runs the sidecar; set "
+                                          "it, and the sidecar's, when the sidecar runs in its own container; vLLM "
+                                          "binds ipc:// and tcp://*:PORT, the sidecar then dials tcp://HOST:PORT)")
+    kv_events_replay_endpoint: str = setting("", "ZMQ endpoint of the KV events' replay, for a sidecar that missed "
+                                                 "some (default: beside the default kv_events_endpoint; none when "
+                                                 "that is set)")
     ipc_spin_s: float = setting(0.002, "how long vLLM's inter-process queues busy-wait after each message before "
                                        "sleeping on their socket (vLLM's own: 1 s, which slows every engine "
                                        "sharing the cores; see engines.connector.cap_ipc_spin)")
@@ -185,6 +199,9 @@ class EngineConfig(ServiceConfig):
         self._require(self.lease_ttl_s >= 0, "lease_ttl_s", "must be >= 0")
         self._require(self.hold_s > 0, "hold_s", "must be positive")
         self._require(self.ipc_spin_s >= 0, "ipc_spin_s", "must be 0 or more (seconds)")
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            value = getattr(self, name)
+            self._require(value == "" or value.startswith(ZMQ_SCHEMES), name, "must be an ipc:// or tcp:// address")
         check_files(self, "broker_tls_", server=False)
         check_files(self, "sidecar_tls_", server=True)
 
@@ -251,6 +268,20 @@ class EngineConfig(ServiceConfig):
         extra.update(self.extra_config())
         if extra:
             config["kv_connector_extra_config"] = extra
+        return config
+
+    def publishes_kv_events(self) -> bool:
+        """Whether this engine publishes KV cache events at all: the kvloop connector with ``kv_events``, and vLLM's
+        prefix cache on (its default; without it vLLM stores no block and sends nothing)."""
+        return (self.connector == "kvloop" and self.kv_events
+                and "--no-enable-prefix-caching" not in self.extra_args())
+
+    def kv_events_config(self, endpoint: str, replay_endpoint: str) -> dict[str, Any]:
+        """vLLM's ``--kv-events-config``: its ZMQ publisher (a PUB socket, and a ROUTER for replays) binds both."""
+        config: dict[str, Any] = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
+                                  "topic": KV_EVENTS_TOPIC, "buffer_steps": KV_EVENTS_BUFFER_STEPS}
+        if replay_endpoint:
+            config["replay_endpoint"] = replay_endpoint
         return config
 
     def resolved_work_dir(self) -> Path:

@@ -88,6 +88,8 @@ class EnginePlan:
     run_dir: Path
     log_path: Path
     sidecar_socket: Path | None = None
+    kv_events: tuple[str, str] | None = None
+    """The KV events' publish and replay endpoints (replay may be ""); None when the engine publishes none."""
     sidecar_env: dict[str, str] | None = None
     """The sidecar's ``KVLOOP_SIDECAR_*`` settings; None when it does not run (no broker, or upstream's connector)."""
 
@@ -109,15 +111,18 @@ def plan_engine(config: EngineConfig) -> EnginePlan:
     log_path = work_dir / "logs" / f"{engine_id}.log"
     socket_path: Path | None = None
     sidecar_env: dict[str, str] | None = None
-    if config.connector == "kvloop" and config.broker_addresses():
+    with_sidecar = config.connector == "kvloop" and bool(config.broker_addresses())
+    events = kv_events_endpoints(config, run_dir, with_sidecar=with_sidecar)
+    if with_sidecar:
         socket_path = sidecar_socket_path(run_dir, engine_id)
         sidecar_env = build_sidecar_env(config, engine_id=engine_id, port=port, nixl_port=nixl_port,
-                                        socket_path=socket_path)
+                                        socket_path=socket_path, kv_events=events)
     return EnginePlan(config=config, engine_id=engine_id, port=port, nixl_port=nixl_port,
-                      argv=build_command(config, engine_id=engine_id, port=port, sidecar_socket=socket_path),
+                      argv=build_command(config, engine_id=engine_id, port=port, sidecar_socket=socket_path,
+                                         kv_events=events),
                       env=build_env(config, work_dir=work_dir, run_dir=run_dir, nixl_port=nixl_port),
                       work_dir=work_dir, run_dir=run_dir, log_path=log_path, sidecar_socket=socket_path,
-                      sidecar_env=sidecar_env)
+                      kv_events=events, sidecar_env=sidecar_env)
 
 
 def short_path(path: Path, room: int, prefix: str) -> Path:
@@ -140,8 +145,23 @@ def sidecar_socket_path(run_dir: Path, engine_id: str) -> Path:
     return path if short == path else short.with_suffix(".sock")
 
 
+def kv_events_endpoints(config: EngineConfig, run_dir: Path, *, with_sidecar: bool) -> tuple[str, str] | None:
+    """Where the engine publishes its KV cache events, and their replay: the configured endpoints, or ipc://
+    sockets in the run folder when the launcher runs the sidecar (no port to pick or clash, private to the machine).
+    None: no events (another connector, ``kv_events`` off, prefix caching off, or nobody to hear them)."""
+    if not config.publishes_kv_events():
+        return None
+    if config.kv_events_endpoint:
+        return config.kv_events_endpoint, config.kv_events_replay_endpoint
+    if not with_sidecar:
+        return None
+    pub = short_path(run_dir / "kv-events.sock", 0, "kvloop-kv-events")
+    replay = short_path(run_dir / "kv-replay.sock", 0, "kvloop-kv-replay")
+    return f"ipc://{pub}", f"ipc://{replay}"
+
+
 def build_sidecar_env(config: EngineConfig, *, engine_id: str, port: int, nixl_port: int,
-                      socket_path: Path) -> dict[str, str]:
+                      socket_path: Path, kv_events: tuple[str, str] | None = None) -> dict[str, str]:
     """The sidecar's settings as its ``KVLOOP_SIDECAR_*`` env twins (see
     :class:`kvloop.engines.sidecar.SidecarConfig`)."""
     from kvloop.engines.layout import engine_fingerprint
@@ -157,6 +177,10 @@ def build_sidecar_env(config: EngineConfig, *, engine_id: str, port: int, nixl_p
         "LEASE_TTL_S": str(config.lease_ttl_s), "HOLD_S": str(config.hold_s),
         "LOG_FORMAT": "json", "LOG_LEVEL": config.log_level, **config.sidecar_tls_env(),
     }
+    if kv_events is not None:
+        values["KV_EVENTS_ENDPOINT"] = kv_events[0]
+        if kv_events[1]:
+            values["KV_EVENTS_REPLAY_ENDPOINT"] = kv_events[1]
     return {f"KVLOOP_SIDECAR_{k}": v for k, v in values.items()}
 
 
@@ -186,7 +210,8 @@ def pick_port(host: str = "127.0.0.1", avoid: set[int] | None = None) -> int:
     return free_port()  # everything below the range is taken: fall back to an ephemeral one
 
 
-def build_command(config: EngineConfig, *, engine_id: str, port: int, sidecar_socket: Path | None = None) -> list[str]:
+def build_command(config: EngineConfig, *, engine_id: str, port: int, sidecar_socket: Path | None = None,
+                  kv_events: tuple[str, str] | None = None) -> list[str]:
     """The ``vllm serve`` command line (through :mod:`kvloop.engines.vllm_entry`)."""
     # Absolute: the engine runs in work_dir, and a model path relative to the caller's directory would not resolve.
     argv = [sys.executable, "-m", "kvloop.engines.vllm_entry", "serve", str(Path(str(config.model)).absolute()),
@@ -203,6 +228,8 @@ def build_command(config: EngineConfig, *, engine_id: str, port: int, sidecar_so
     if config.connector != "none":
         argv += ["--kv-transfer-config",
                  json.dumps(config.kv_transfer_config(engine_id, sidecar_socket), separators=(",", ":"))]
+    if kv_events is not None:
+        argv += ["--kv-events-config", json.dumps(config.kv_events_config(*kv_events), separators=(",", ":"))]
     if config.max_model_len is not None:
         argv += ["--max-model-len", str(config.max_model_len)]
     block_size = config.resolved_block_size()
@@ -407,6 +434,10 @@ class EngineProcess:
         if not self.group_alive():
             shutil.rmtree(self.plan.run_dir, ignore_errors=True)
             shutil.rmtree(self.plan.env["VLLM_RPC_BASE_PATH"], ignore_errors=True)
+            for endpoint in self.plan.kv_events or ():  # a short path under /tmp when the run folder's is too long
+                if endpoint.startswith("ipc://"):
+                    with contextlib.suppress(OSError):
+                        Path(endpoint.removeprefix("ipc://")).unlink(missing_ok=True)
         return self.popen.returncode
 
     def _signal_group(self, sig: int) -> None:

@@ -36,7 +36,7 @@ def format_status(reply: Any) -> str:
             f"  {e.engine.engine_id:<16} {role:<8} retained {e.retained_blocks}/{e.engine.retention_budget_blocks}"
             f" blocks  leases {e.leases}  block_size {e.engine.block_size}  load r{e.load.running_requests}"
             f"/w{e.load.waiting_requests} kv {e.load.kv_usage:.0%}  seen {now - e.last_seen_unix:.1f}s ago"
-            f"  eviction_seq {e.last_eviction_seq}")
+            f"  eviction_seq {e.last_eviction_seq}  cached {e.cached_blocks} blocks (resets {e.cache_resets})")
     lines.append(f"leases: {len(reply.leases)}")
     for lease in reply.leases:
         pending = pb.EvictionReason.Name(lease.pending_eviction).removeprefix("EVICTION_REASON_").lower()

@@ -27,6 +27,7 @@ from kvloop.broker.core.model import (
     Role,
 )
 from kvloop.broker.core.placement import PlaceInput, PlacementPolicy, place
+from kvloop.broker.core.soft_index import ResetReason, SoftAck, SoftIndex
 from kvloop.broker.core.state import BrokerState, Changes, Limits
 
 __all__ = [
@@ -52,7 +53,10 @@ __all__ = [
     "PlaceInput",
     "PlacementPolicy",
     "Plan",
+    "ResetReason",
     "Role",
+    "SoftAck",
+    "SoftIndex",
     "choose_victims",
     "make_policy",
     "place",

@@ -25,6 +25,7 @@ from kvloop.broker.core.model import (
     Plan,
 )
 from kvloop.broker.core.placement import PlaceInput, PlacementPolicy, place
+from kvloop.broker.core.soft_index import SoftAck, SoftIndex
 from kvloop.shared.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvloop.shared.hashing import KEY_BYTES
 
@@ -40,6 +41,8 @@ class Limits:
     engine_ttl_s: float = 10.0
     max_id_len: int = 256
     eviction_log_size: int = 4096
+    soft_index_max_blocks: int = 65536
+    max_cache_event_keys: int = 4096
 
 
 @dataclass
@@ -89,6 +92,8 @@ class BrokerState:
         self._engine_leases: dict[str, set[str]] = {}
         self._session_leases: dict[str, set[str]] = {}
         self._logs: dict[str, deque[EvictionCommand]] = {}
+        self.soft = SoftIndex(self.limits.soft_index_max_blocks)
+        """Each engine's prefix cache as its KV events tell it: in memory only, never in ``Changes``."""
         self._changes = Changes()
 
     # ----------------------------------------------------------------- bookkeeping
@@ -206,6 +211,7 @@ class BrokerState:
         for pin in [p for p in self.pins.values() if p.reader_engine_id == engine_id]:
             self._unpin(pin.pin_id, now)
         self.engines.pop(engine_id, None)
+        self.soft.drop(engine_id)
         self._refs.pop(engine_id, None)
         self._engine_leases.pop(engine_id, None)
         self._logs.pop(engine_id, None)
@@ -491,7 +497,48 @@ class BrokerState:
         if held:
             latest = max((self.leases[lid] for lid in held), key=lambda lease: lease.last_used)
             session_engine = latest.engine_id
-        return place(request, list(self.engines.values()), matches, self.placement_policy, session_engine)
+        return place(request, list(self.engines.values()), matches, self.placement_policy, session_engine,
+                     cached=self.cached_prefixes(request))
+
+    def cached_prefixes(self, request: PlaceInput) -> dict[str, int]:
+        """Per live engine of the request's layout, how many leading blocks of ``request.keys`` its own prefix
+        cache holds (the soft index); engines holding none are left out."""
+        cached: dict[str, int] = {}
+        if not request.keys:
+            return cached
+        for engine_id, rec in self.engines.items():
+            if (rec.info.block_size == request.block_size
+                    and rec.info.layout_fingerprint == request.layout_fingerprint):
+                n = self.soft.cached_prefix(engine_id, request.keys)
+                if n:
+                    cached[engine_id] = n
+        return cached
+
+    # ----------------------------------------------------------------- soft index
+    def _validate_event_keys(self, keys: Sequence[bytes], name: str) -> None:
+        if len(keys) > self.limits.max_cache_event_keys:
+            raise InvalidArgument(
+                f"{name}: {len(keys)} keys exceed the limit of {self.limits.max_cache_event_keys} per batch; "
+                "send more batches", field=name)
+        for i, key in enumerate(keys):
+            if len(key) != KEY_BYTES:
+                raise InvalidArgument(f"{name}[{i}]: a block key is {KEY_BYTES} bytes, got {len(key)}", field=name)
+
+    def report_cache_events(self, engine_id: str, incarnation: str, seq: int, *, reset: bool, cleared: bool,
+                            stored: Sequence[bytes], removed: Sequence[bytes]) -> SoftAck:
+        """An engine's prefix-cache events (``ReportCacheEvents``) into the soft index. Nothing here is persisted:
+        the shell runs it through ``BrokerRuntime.volatile``."""
+        rec = self._engine(engine_id)
+        if incarnation != rec.info.incarnation:
+            raise FailedPrecondition(
+                f"incarnation: engine {engine_id!r} is registered with incarnation {rec.info.incarnation!r}, "
+                f"not {incarnation!r}; register the new incarnation first", field="incarnation")
+        if seq < 1:
+            raise InvalidArgument("seq: batches are numbered from 1", field="seq")
+        self._validate_event_keys(stored, "stored_keys")
+        self._validate_event_keys(removed, "removed_keys")
+        return self.soft.apply(engine_id, incarnation, seq, reset=reset, cleared=cleared, stored=stored,
+                               removed=removed)
 
     # ----------------------------------------------------------------- eviction stream
     def commands_after(self, engine_id: str, after_seq: int) -> list[EvictionCommand]:

@@ -1,6 +1,6 @@
 """The engine sidecar: one per engine, a separate process beside ``vllm serve`` (``kvloop sidecar``,
 ``python -m kvloop.engines.sidecar``). Reading path: :mod:`.config`, :mod:`.books` (pure), :mod:`.service`,
-:mod:`.metrics`.
+:mod:`.metrics`; for the prefix cache :mod:`.cache_events` (pure), then :mod:`.cache_feed`.
 
 It is the engine's only voice towards the broker (``kvloop.v1.KVBroker`` stubs):
 
@@ -16,6 +16,10 @@ It is the engine's only voice towards the broker (``kvloop.v1.KVBroker`` stubs):
   releases whatever the broker no longer lists) becomes release commands to the connector. With every
   keep-alive the sidecar also renews the connector's safety hold of the leases still live, so a renewed
   lease stays held on the engine, and a dead sidecar lets the engine free them after one hold.
+- **Prefix cache** (with ``kv_events_endpoint``): the engine's vLLM KV cache events (ZMQ), mirrored as kvloop
+  block keys and reported to the broker's soft index (``ReportCacheEvents``) in numbered batches; a gap is
+  asked of the publisher's replay endpoint, and the whole mirror is sent again whenever the broker may have lost
+  it (a re-registration, a failed call, an ack that shows a reset).
 - **Load**: running and waiting requests and KV usage scraped from vLLM's ``/metrics``; memory pressure
   when KV usage passes ``pressure_kv_usage`` with requests waiting; prefill tokens/s and NIXL bytes/s as
   moving averages of what the connector measured.

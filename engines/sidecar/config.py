@@ -11,6 +11,7 @@ from kvloop.shared.telemetry import LOG_FORMATS, LOG_LEVELS
 from kvloop.shared.tls import check_files
 
 ROLES = ("prefill", "decode", "both")
+ZMQ_SCHEMES = ("ipc://", "tcp://")
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,15 @@ class SidecarConfig(ServiceConfig):
                                    "broker's engine TTL so the broker drops a silent engine's leases first")
     pressure_kv_usage: float = setting(0.9, "KV usage (0..1) at which, with requests waiting, the sidecar "
                                             "reports memory pressure")
+    kv_events_endpoint: str = setting("", "the engine's KV cache events (vLLM's --kv-events-config endpoint, "
+                                          "ipc:// or tcp://): reported to the broker's soft index; empty = off")
+    kv_events_replay_endpoint: str = setting("", "the engine's KV events replay endpoint, asked for missed "
+                                                 "batches; empty = a gap resets the broker's index instead")
+    kv_events_batch_keys: int = setting(512, "most keys in one ReportCacheEvents batch (at most the broker's "
+                                             "max_cache_event_keys)")
+    kv_events_batch_s: float = setting(0.05, "KV events gathered this long into one ReportCacheEvents batch")
+    kv_events_max_blocks: int = setting(262144, "most blocks the prefix-cache mirror tracks; past it the events "
+                                                "are taken as inconsistent and the mirror starts over")
     port_file: Path | None = setting(None, "write the bound gRPC port here once serving (for launchers)")
     log_format: str = setting("auto", "log format: json, console, or auto", choices=LOG_FORMATS)
     log_level: str = setting("info", "log level", choices=LOG_LEVELS)
@@ -64,5 +74,13 @@ class SidecarConfig(ServiceConfig):
         self._require(self.lease_ttl_s >= 0, "lease_ttl_s", "must be >= 0")
         self._require(self.hold_s > 0, "hold_s", "must be positive")
         self._require(0 < self.pressure_kv_usage <= 1, "pressure_kv_usage", "must be in (0, 1]")
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            value = getattr(self, name)
+            self._require(value == "" or value.startswith(ZMQ_SCHEMES), name, "must be an ipc:// or tcp:// address")
+        self._require(not self.kv_events_replay_endpoint or bool(self.kv_events_endpoint),
+                      "kv_events_replay_endpoint", "needs kv_events_endpoint")
+        self._require(1 <= self.kv_events_batch_keys <= 4096, "kv_events_batch_keys", "must be within 1..4096")
+        self._require(0 < self.kv_events_batch_s <= 5, "kv_events_batch_s", "must be within (0, 5] seconds")
+        self._require(self.kv_events_max_blocks >= 1, "kv_events_max_blocks", "must be positive")
         check_files(self, "tls_", server=True)
         check_files(self, "broker_tls_", server=False)

@@ -24,6 +24,14 @@ class SidecarMetrics:
         self.registered = Gauge("kvloop_sidecar_registered", "1 while registered with a broker", registry=r)
         self.prefill_tps = Gauge("kvloop_sidecar_prefill_tokens_per_second", "Measured prefill throughput",
                                  registry=r)
+        self.cache_events = Counter("kvloop_sidecar_cache_events_total", "vLLM KV cache events received, by type",
+                                    ["type"], registry=r)
+        self.cache_resets = Counter("kvloop_sidecar_cache_resets_total", "times the prefix-cache mirror or the "
+                                    "broker's index of it started over, by reason", ["reason"], registry=r)
+        self.cache_replays = Counter("kvloop_sidecar_cache_replays_total", "gaps in the engine's KV events asked of "
+                                     "its replay endpoint, by outcome (covered, missed)", ["outcome"], registry=r)
+        self.cached_blocks = Gauge("kvloop_sidecar_cached_blocks", "blocks of the engine's prefix cache the mirror "
+                                   "names", registry=r)
         self.transfer_bps = Gauge("kvloop_sidecar_transfer_bytes_per_second", "Measured NIXL pull bandwidth",
                                   registry=r)
 

@@ -11,6 +11,7 @@ import structlog
 from opentelemetry import trace
 
 from kvloop.engines.sidecar.books import LeaseBooks, Throughput, engine_load
+from kvloop.engines.sidecar.cache_feed import CacheFeed
 from kvloop.engines.sidecar.config import SidecarConfig
 from kvloop.engines.sidecar.metrics import SidecarMetrics, scrape_engine_load
 from kvloop.shared.client import BrokerClient
@@ -41,6 +42,7 @@ class Sidecar(engine_link_pb2_grpc.EngineLinkServicer):
         self.books = LeaseBooks()
         self.throughput = Throughput()
         self.engine_figures: dict[str, float] = {}
+        self.cache_feed: CacheFeed | None = None
         self._outbox: asyncio.Queue[lpb.ConnectorCommand] | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._engine_tasks: list[asyncio.Task[Any]] = []
@@ -109,6 +111,7 @@ class Sidecar(engine_link_pb2_grpc.EngineLinkServicer):
                  bytes_per_block=hello.bytes_per_block, restarted=restarted)
         if hello.engine_id != self.config.engine_id:
             log.warning("connector.engine_id_mismatch", expected=self.config.engine_id, got=hello.engine_id)
+        self._follow_cache_events(hello)
         if restarted or not self.registered.is_set():
             self.books.clear()
             self._set_registered(False)
@@ -116,7 +119,24 @@ class Sidecar(engine_link_pb2_grpc.EngineLinkServicer):
                 task.cancel()
             self._engine_tasks = [asyncio.create_task(self._register_forever())]
 
+    def _follow_cache_events(self, hello: lpb.ConnectorHello) -> None:
+        """One feed of the engine's KV cache events per engine incarnation (a new one's cache starts empty)."""
+        if not self.config.kv_events_endpoint:
+            return
+        old = self.cache_feed
+        if old is not None and old.incarnation == hello.incarnation:
+            return
+        if old is not None:
+            self._spawn(old.close())
+        # It reports once the engine is (re-)registered under this incarnation: _set_registered tells it.
+        self.cache_feed = CacheFeed(self.config, self.broker, self.metrics, hello.incarnation, hello.block_size)
+
     def _set_registered(self, registered: bool) -> None:
+        if self.cache_feed is not None:
+            if registered:
+                self.cache_feed.on_registered()
+            else:
+                self.cache_feed.on_unregistered()
         if registered:
             self.registered.set()
         else:
@@ -297,6 +317,9 @@ class Sidecar(engine_link_pb2_grpc.EngineLinkServicer):
         self.books.clear()
         self.metrics.leases.set(0)
         self.hello = None
+        feed, self.cache_feed = self.cache_feed, None
+        if feed is not None:
+            await feed.close()
         if was_registered:
             try:
                 await self.broker.call("DeregisterEngine", pb.DeregisterEngineRequest(engine_id=self.config.engine_id),

@@ -33,6 +33,9 @@ DEFAULT_HOLD_S = 120.0
 broker's lease lives, so it only bounds how long blocks outlive a dead sidecar. Must exceed the broker's engine
 TTL (the sidecar warns otherwise)."""
 
+KV_EVENTS_TOPIC = "kvloop"
+"""The ZMQ topic of the KV cache events an engine publishes for its sidecar (``--kv-events-config``)."""
+
 BANDWIDTH_SAMPLE_MIN_BYTES = 8 << 20
 """Pulls smaller than this teach no bandwidth: their time is the fixed per-pull cost (an engine step, the
 notification, the first handshake), which the broker's cost model counts as ``transfer_overhead_s``."""

@@ -212,6 +212,9 @@ def _config(tmp_path: Path, **overrides: Any) -> EngineConfig:
     ("port", 70000),
     ("broker", "nohost"),
     ("connector", "lmcache"),
+    ("kv_events_endpoint", "http://127.0.0.1:5557"),
+    ("kv_events_replay_endpoint", "127.0.0.1:5558"),
+    ("extra_vllm_args", "--kv-events-config '{}'"),
 ])
 def test_bad_config_fails_naming_the_field_before_any_process(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, field: str, value: Any) -> None:
@@ -309,6 +312,35 @@ def test_command_and_environment(tmp_path: Path) -> None:
     assert SidecarConfig.load({}, env=side).engine_id == with_broker.engine_id
     assert build_env(config, work_dir=work, run_dir=work / "run" / "x", nixl_port=1,
                      base={"UCX_TLS": "tcp"})["UCX_TLS"] == "tcp"  # an operator's choice is kept
+
+
+def test_kv_cache_events_for_the_sidecar(tmp_path: Path) -> None:
+    """The kvloop connector with a sidecar publishes vLLM's KV events on ipc:// sockets the sidecar subscribes to."""
+    from kvloop.engines.sidecar import SidecarConfig
+
+    kvloop = _config(tmp_path, connector="kvloop", broker="127.0.0.1:50051", engine_id="p-1")
+    plan = plan_engine(kvloop)
+    events = json.loads(dict(itertools.pairwise(plan.argv))["--kv-events-config"])
+    assert events["enable_kv_cache_events"] and events["publisher"] == "zmq" and events["topic"] == "kvloop"
+    assert plan.kv_events == (events["endpoint"], events["replay_endpoint"])
+    assert all(e.startswith("ipc://") and len(e) - len("ipc://") < 100 for e in plan.kv_events)
+    assert plan.kv_events[0] != plan.kv_events[1]
+    assert plan.sidecar_env is not None
+    side = SidecarConfig.load({}, env=plan.sidecar_env)
+    assert (side.kv_events_endpoint, side.kv_events_replay_endpoint) == plan.kv_events
+
+    def published(config: EngineConfig) -> tuple[str, str] | None:
+        plan = plan_engine(config)
+        assert ("--kv-events-config" in plan.argv) == (plan.kv_events is not None)
+        return plan.kv_events
+
+    assert published(dataclasses.replace(kvloop, kv_events=False)) is None
+    assert published(dataclasses.replace(kvloop, connector="nixl")) is None
+    assert published(dataclasses.replace(kvloop, broker="")) is None  # nobody to hear them
+    assert published(dataclasses.replace(kvloop, extra_vllm_args="--no-enable-prefix-caching")) is None
+    # A sidecar in its own container: the operator names the endpoints on both sides.
+    own = dataclasses.replace(kvloop, broker="", kv_events_endpoint="ipc:///run/kvloop/kv-events.sock")
+    assert published(own) == ("ipc:///run/kvloop/kv-events.sock", "")
 
 
 def test_relative_model_path_is_made_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

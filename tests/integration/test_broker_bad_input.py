@@ -54,7 +54,8 @@ def view(reply: pb.InspectResponse) -> tuple[Any, ...]:
 
 @pytest.fixture(scope="module")
 async def world(start_module_broker: ModuleBrokerFactory) -> AsyncIterator[World]:
-    proc = start_module_broker("bad", "--max-block-keys", str(MAX_KEYS), "--max-message-bytes", str(MAX_MESSAGE))
+    proc = start_module_broker("bad", "--max-block-keys", str(MAX_KEYS), "--max-message-bytes", str(MAX_MESSAGE),
+                               "--max-cache-event-keys", str(MAX_KEYS))
     await wait_serving(proc.extra["address"], SERVICE, timeout_s=20)
     b = Broker(proc.extra["address"], proc)
     for eid, role, fp in (("p", pb.ENGINE_ROLE_PREFILL, FP), ("d", pb.ENGINE_ROLE_DECODE, FP),
@@ -98,6 +99,12 @@ def pin(**overrides: Any) -> pb.PinBlocksRequest:
     fields: dict[str, Any] = {"reader_engine_id": "p", "lease_id": LEASE, "num_blocks": 1, "timeout_s": 5.0}
     fields.update(overrides)
     return pb.PinBlocksRequest(**fields)
+
+
+def cache_events(**overrides: Any) -> pb.CacheEventBatch:
+    fields: dict[str, Any] = {"engine_id": "d", "incarnation": "inc-1", "seq": 1, "stored_keys": keys(2)}
+    fields.update(overrides)
+    return pb.CacheEventBatch(**fields)
 
 
 def register(eid: str = "d", role: int = pb.ENGINE_ROLE_DECODE, fp: str = FP, **overrides: Any
@@ -166,6 +173,18 @@ CASES: list[tuple[str, str, Any, grpc.StatusCode, str]] = [
      "load.transfer_bytes_per_s"),
     ("deregister-unknown", "DeregisterEngine", pb.DeregisterEngineRequest(engine_id="ghost"), NOT_FOUND,
      "engine_id"),
+    # ReportCacheEvents
+    ("cache-unknown-engine", "ReportCacheEvents", cache_events(engine_id="ghost"), NOT_FOUND, "engine_id"),
+    ("cache-other-incarnation", "ReportCacheEvents", cache_events(incarnation="inc-0"), PRECONDITION, "incarnation"),
+    ("cache-seq-zero", "ReportCacheEvents", cache_events(seq=0), INVALID, "seq"),
+    ("cache-short-key", "ReportCacheEvents", cache_events(stored_keys=[keys(1)[0], b"\x01" * 31]), INVALID,
+     "stored_keys"),
+    ("cache-long-removed-key", "ReportCacheEvents", cache_events(removed_keys=[keys(1)[0] + b"\x00"]), INVALID,
+     "removed_keys"),
+    ("cache-too-many-stored", "ReportCacheEvents", cache_events(stored_keys=keys(MAX_KEYS + 1)), INVALID,
+     "stored_keys"),
+    ("cache-too-many-removed", "ReportCacheEvents", cache_events(removed_keys=keys(MAX_KEYS + 1)), INVALID,
+     "removed_keys"),
     # RegisterEngine
     ("register-unspecified-role", "RegisterEngine", register("new", pb.ENGINE_ROLE_UNSPECIFIED), INVALID,
      "engine.role"),

@@ -152,6 +152,9 @@ async def test_failover_to_the_follower(start_broker: ModuleBrokerFactory, etcd_
             await client.call("RegisterEngine", pb.RegisterEngineRequest(engine=engine(eid, role, FP)))
         lease = (await client.call("PublishLease", publish_request("d", tokens(4 * BS), FP, first_block_id=3,
                                                                    ttl_s=120))).lease
+        cached = pb.CacheEventBatch(engine_id="p", incarnation="inc-1", seq=1, reset=True,
+                                    stored_keys=lease.block_keys[:2])
+        assert (await client.call("ReportCacheEvents", cached)).cached_blocks == 2
 
         procs[leader_name].kill()
         killed_at = time.monotonic()
@@ -163,6 +166,10 @@ async def test_failover_to_the_follower(start_broker: ModuleBrokerFactory, etcd_
         assert list(restored.block_keys) == list(lease.block_keys) and list(restored.block_ids) == [3, 4, 5, 6]
         assert restored.expires_at_unix == lease.expires_at_unix
         await wait_serving(follower.address, SERVICE, timeout_s=5)
+        # The soft index lived in the old leader's memory only: the next batch finds it gone and says so.
+        assert next(e for e in reply.engines if e.engine.engine_id == "p").cached_blocks == 0
+        ack = await client.call("ReportCacheEvents", pb.CacheEventBatch(engine_id="p", incarnation="inc-1", seq=2))
+        assert ack.reset and ack.expected_seq == 3
 
         # The same client keeps working: the dead replica answers UNAVAILABLE and it moves on.
         plan = await client.call("Place", place_request(tokens(4 * BS + 9), FP))

@@ -287,6 +287,10 @@ def test_valid_choices() -> None:
     ({"transfer_overhead_s": -0.1}, "transfer_overhead_s"),
     ({"sticky_load_gap": -1}, "sticky_load_gap"),
     ({"shutdown_grace_s": -1}, "shutdown_grace_s"),
+    ({"soft_index_max_blocks": 0}, "soft_index_max_blocks"),
+    ({"soft_index_max_blocks": 1 << 25}, "soft_index_max_blocks"),
+    ({"max_cache_event_keys": 0}, "max_cache_event_keys"),
+    ({"max_cache_event_keys": 100_000}, "max_cache_event_keys"),
 ])
 def test_validate_names_the_field(overrides: dict[str, Any], field: str) -> None:
     exc = config_error(lambda: BrokerConfig(**overrides).validate(), field)
@@ -322,3 +326,28 @@ def test_derived_settings() -> None:
     limits, placement = config.limits(), config.placement()
     assert (limits.max_block_keys, limits.min_ttl_s, limits.default_ttl_s) == (10, 2, 480.0)
     assert (placement.threshold_tokens, placement.sticky_load_gap) == (7, 1.5)
+    limits = BrokerConfig(soft_index_max_blocks=9, max_cache_event_keys=3).limits()
+    assert (limits.soft_index_max_blocks, limits.max_cache_event_keys) == (9, 3)
+    assert (BrokerConfig().soft_index_max_blocks, BrokerConfig().max_cache_event_keys) == (65536, 4096)
+
+
+SIDECAR_ENV = {"KVLOOP_SIDECAR_ENGINE_ID": "e", "KVLOOP_SIDECAR_BROKER": "127.0.0.1:1",
+               "KVLOOP_SIDECAR_SOCKET": "/tmp/s", "KVLOOP_SIDECAR_ENGINE_URL": "http://x:1",
+               "KVLOOP_SIDECAR_LAYOUT_FINGERPRINT": "f"}
+
+
+@pytest.mark.parametrize(("env", "field"), [
+    ({"KVLOOP_SIDECAR_KV_EVENTS_ENDPOINT": "127.0.0.1:5557"}, "kv_events_endpoint"),
+    ({"KVLOOP_SIDECAR_KV_EVENTS_REPLAY_ENDPOINT": "ipc:///tmp/r"}, "kv_events_replay_endpoint"),
+    ({"KVLOOP_SIDECAR_KV_EVENTS_BATCH_KEYS": "0"}, "kv_events_batch_keys"),
+    ({"KVLOOP_SIDECAR_KV_EVENTS_BATCH_KEYS": "5000"}, "kv_events_batch_keys"),
+    ({"KVLOOP_SIDECAR_KV_EVENTS_BATCH_S": "0"}, "kv_events_batch_s"),
+    ({"KVLOOP_SIDECAR_KV_EVENTS_MAX_BLOCKS": "0"}, "kv_events_max_blocks"),
+])
+def test_sidecar_kv_events_settings(env: dict[str, str], field: str) -> None:
+    from kvloop.engines.sidecar.config import SidecarConfig
+
+    config_error(lambda: SidecarConfig.load({}, env={**SIDECAR_ENV, **env}), field)
+    ok = SidecarConfig.load({}, env={**SIDECAR_ENV, "KVLOOP_SIDECAR_KV_EVENTS_ENDPOINT": "tcp://engine:5557",
+                                     "KVLOOP_SIDECAR_KV_EVENTS_REPLAY_ENDPOINT": "tcp://engine:5558"})
+    assert (ok.kv_events_batch_keys, ok.kv_events_batch_s) == (512, 0.05)

@@ -117,3 +117,19 @@ async def test_refused_write_stays_down_when_no_longer_leader() -> None:
         assert not runtime.is_leader and store.loads == 1
     finally:
         await runtime.stop()
+
+
+async def test_cache_events_are_volatile_and_never_written() -> None:
+    runtime, store, _ = await started()
+    try:
+        await runtime.mutate(lambda s, now: s.register(engine("e1"), now))
+        writes = len(store.batches)
+        key = bytes(32)
+        ack = runtime.volatile(lambda s, now: s.report_cache_events("e1", "i", 1, reset=False, cleared=False,
+                                                                    stored=[key], removed=[]))
+        assert ack.cached_blocks == 1 and len(store.batches) == writes
+        await runtime.mutate(lambda s, now: s.tick(now))  # a later write carries nothing of it either
+        assert all(not batch.engines and not batch.leases for batch in store.batches[writes:])
+        assert runtime.read(lambda s, now: s.soft.cached_blocks("e1")) == 1
+    finally:
+        await runtime.stop()
