@@ -160,16 +160,24 @@ async def test_each_path_is_taken_when_it_should_be_and_answers_match_recompute(
                                                                                pd_engines: PDEngines) -> None:
     """Turn 1 recomputes; a short question runs on the decode engine that holds the history (DECODE_LOCAL); a long
     tool output goes through the prefill engine, which pulls the history it lacks (TRANSFER); a short one again
-    (DECODE_LOCAL, streamed). Every answer equals a recompute's on the prefill engine alone (greedy, float32, up to
+    (DECODE_LOCAL, streamed); then the agent compacts its history to the system prompt and a long summary: the
+    prefill engine's own cache holds the system prompt (the broker's soft index says so) and nothing is left to
+    pull (PREFILL_LOCAL). Every answer equals a recompute's on the prefill engine alone (greedy, float32, up to
     near-ties), and what each turn reports comes from the engines' own measurements."""
     model = pd_engines.model_name
     messages = [{"role": "system", "content": SYSTEM}]
-    questions = ["Question 0: which block holds note 0?", "Question 1: and note 7?",
-                 f"The tool returned:\n{LONG_TOOL_OUTPUT}\nWhich rows matter?", "Question 3: and note 21?"]
-    expected = ["RECOMPUTE", "DECODE_LOCAL", "TRANSFER", "DECODE_LOCAL"]
+    # Turn 2's question is ~300 tokens, so the decode engine's history then runs a few blocks (of 128 tokens)
+    # beyond what the prefill engine computed on turn 1: turn 3 has something to pull.
+    medium = "\n".join(LONG_TOOL_OUTPUT.split(" row ")[:20])
+    questions = ["Question 0: which block holds note 0?", f"Question 1: and note 7? Notes:\n{medium}",
+                 f"The tool returned:\n{LONG_TOOL_OUTPUT}\nWhich rows matter?", "Question 3: and note 21?",
+                 f"Summary of the work so far:\n{LONG_TOOL_OUTPUT}\nGo on from the summary."]
+    expected = ["RECOMPUTE", "DECODE_LOCAL", "TRANSFER", "DECODE_LOCAL", "PREFILL_LOCAL"]
     SPANS.clear()
     headers: list[Any] = []
     for turn, question in enumerate(questions):
+        if turn == 4:
+            messages = messages[:1]  # the compaction: system prompt and the summary only
         messages.append({"role": "user", "content": question})
         body = chat_body(model, messages, logprobs=True, top_logprobs=2)
         # No wait between turns: the router itself waits for the previous answer's lease (router/recent.py).
@@ -189,9 +197,9 @@ async def test_each_path_is_taken_when_it_should_be_and_answers_match_recompute(
             assert_same_tokens(reply, reference)
         messages.append({"role": "assistant", "content": text})
     spans = turn_spans()
-    assert len(spans) == 4
+    assert len(spans) == 5
     assert [s.attributes["kvloop.path"] for s in spans] == expected, [dict(s.attributes) for s in spans]
-    assert [h["x-kvloop-decision"] for h in headers] == expected[:3]
+    assert [h["x-kvloop-decision"] for h in headers] == expected[:3] + expected[4:]
     for span in spans:
         attrs = span.attributes
         assert attrs["kvloop.session"] == "agent-1" and attrs["kvloop.planned"] == attrs["kvloop.path"]
@@ -212,6 +220,10 @@ async def test_each_path_is_taken_when_it_should_be_and_answers_match_recompute(
             assert attrs["kvloop.reason"] == "transfer_cheaper" and "kvloop.prefill" in children
             assert attrs["kvloop.plan.decode_local_veto"] == "tail_tokens"
             assert attrs["kvloop.pulled_tokens"] > 0 and attrs["kvloop.pulled_blocks"] > 0
+            assert attrs["kvloop.prefill_engine"] == pd_engines.prefill.engine_id
+        if attrs["kvloop.path"] == "PREFILL_LOCAL":
+            assert attrs["kvloop.reason"] == "local_prefix" and attrs["kvloop.pulled_tokens"] == 0
+            assert attrs["kvloop.local_tokens"] >= attrs["kvloop.plan.local_tokens"] > 300
             assert attrs["kvloop.prefill_engine"] == pd_engines.prefill.engine_id
     # Each turn is retained on the decode engine, DECODE_LOCAL ones too: the last turn's lease covers its prompt.
     assert spans[3].attributes["kvloop.local_tokens"] > spans[2].attributes["gen_ai.usage.input_tokens"] - 128
