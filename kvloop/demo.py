@@ -31,8 +31,10 @@ from kvloop.shared.http import sse_data, sse_measured
 DEMO_SYSTEM = ("You are a coding agent. You read files, run tools and keep short notes. " * 60).strip()
 TOOLS = ("ls src/", "grep -n retain engines/*.py", "pytest -q tests/unit", "cat broker/core/placement.py",
          "git log --oneline | head", "du -sh .kvloop")
-SCRIPT = (("tool", 120), ("tool", 120), ("tool", 320), ("tool", 50), ("compact", 300), ("tool", 50))
-"""(kind, words of tool output or summary) per turn; longer sessions repeat it from turn 2."""
+SCRIPT = (("tool", 60), ("tool", 60), ("tool", 250), ("tool", 60), ("compact", 220), ("tool", 60))
+"""(kind, words of tool output or summary) per turn; longer sessions repeat it from turn 2. The tiny model's
+tokenizer makes ~3.5 tokens of a word here: 60 words are a ~210-token tail (DECODE_LOCAL), 250 and 220 words
+are 770-870 tokens, over the broker's decode_local_max_tokens (512)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

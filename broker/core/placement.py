@@ -232,7 +232,12 @@ def place(
     # The longest prefix any engine holds, usable or not: the reuse that was available to this turn.
     seen = min(max([matched, *((cached or {}).get(e.info.engine_id, 0) for e in fit)]), max_blocks)
     if reason is None:
-        reason = "no_match" if not seen else "below_threshold" if seen < min_blocks else "recompute_cheaper"
+        if len({o.decision for o in options}) > 1:
+            reason = "recompute_cheaper"  # a reuse path existed and cost more
+        elif veto:
+            reason = "decode_local_vetoed"  # only the decode engine held the prefix (decode_local_veto says why)
+        else:
+            reason = "no_match" if not seen else "below_threshold"
     transfer = best.decision is Decision.TRANSFER
     return Plan(
         decision=best.decision,

@@ -162,3 +162,11 @@ def test_a_decode_engine_without_its_own_rate_is_priced_at_its_peers() -> None:
     plan = plan_for(64 * BS + 100, engines, lease=("d", 64))
     assert plan.decision is Decision.DECODE_LOCAL and plan.cost.measured
     assert plan.cost.decode_local_s == pytest.approx(100 / 500.0)
+
+
+def test_recompute_when_only_the_decode_engine_held_the_prefix_and_it_was_vetoed() -> None:
+    # No lease (nothing to pull), the decode engine's own cache holds the history, the tail is too long for it.
+    plan = plan_for(64 * BS + 700, cluster(), cached={"d": 64})
+    assert (plan.decision, plan.reason, plan.decode_local_veto) == (Decision.RECOMPUTE, "decode_local_vetoed",
+                                                                    "tail_tokens")
+    assert plan.cached_tokens_seen == 64 * BS and plan.recompute_tokens == 64 * BS + 700
