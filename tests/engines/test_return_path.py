@@ -225,7 +225,7 @@ def test_evicted_lease_recomputes_and_frees_its_blocks(pd_engines: PDEngines, dr
     usage = lambda: metric(scrape(decode.url), "vllm:kv_cache_usage_perc")  # noqa: E731
     wait_for(lambda: leases_of(broker_stub, decode.engine_id), lambda ls: not ls, timeout_s=30, what="no leases")
     baseline = wait_for(usage, lambda u: u == 0.0, timeout_s=30, what="decode KV usage back to zero")
-    t1 = first_turn(driver, broker_stub, pd_engines, "s-evict", seed=11)
+    t1 = first_turn(driver, broker_stub, pd_engines, "s-evict", seed=11, prefill_salt="evict-1")
     assert usage() > baseline
     (lease,) = leases_of(broker_stub, decode.engine_id)
     broker_stub.RenewLease(pb.RenewLeaseRequest(lease_id=lease.lease_id, ttl_s=1.0), timeout=5)  # expires in 1 s
