@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvloop.shared.errors import ConfigError
+
 RENDERED_CHAT_FIELDS = frozenset({"add_generation_prompt"})
 """Chat-template fields the router renders itself; any other (router/turn.py's CHAT_TEMPLATE_FIELDS) goes to
 an engine."""
@@ -26,9 +28,12 @@ class RouterTokenizer:
     def __init__(self, name_or_path: str) -> None:
         from transformers import AutoTokenizer  # installed with vLLM; imported only when configured
 
-        self.tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        except (OSError, ValueError) as exc:  # no such directory or hub name, or not a tokenizer
+            raise ConfigError(f"tokenizer: cannot load {name_or_path!r}: {exc}", field="tokenizer") from None
         if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(f"tokenizer: {name_or_path} has no chat template")
+            raise ConfigError(f"tokenizer: {name_or_path!r} has no chat template", field="tokenizer")
 
     def tokens(self, kind: str, body: dict[str, Any], template_fields: tuple[str, ...]) -> list[int] | None:
         """The prompt's token ids, or None when this request needs an engine's rendering."""

@@ -138,3 +138,11 @@ def test_recent_turns_key_position_must_match_and_capacity_holds() -> None:
     recent.answered(keys[:4], now=0.2)
     assert len(recent) == 2 and recent.expected(keys[:2], now=0.3) == (0, 0.3)  # the oldest was dropped
     assert RecentTurns(window_s=0).expected(keys, now=0.0) == (0, 0.0)
+
+
+def test_a_tokenizer_that_cannot_load_is_a_config_error_naming_the_field(tmp_path: Path) -> None:
+    from kvloop.router.tokenizer import RouterTokenizer  # imports transformers: only here
+
+    with pytest.raises(ConfigError) as exc:
+        RouterTokenizer(str(tmp_path / "no-such-model"))
+    assert exc.value.field == "tokenizer" and "no-such-model" in exc.value.message
