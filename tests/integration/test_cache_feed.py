@@ -55,6 +55,11 @@ class Publisher:
     def publish(self, *events: Any) -> None:
         self.pub.publish(kv_events.KVEventBatch(ts=time.time(), events=list(events)))
 
+    def sent(self) -> None:
+        """Wait until every batch published so far has left the PUB socket: vLLM's publisher thread marks a
+        queued batch done only after sending it."""
+        self.pub._event_queue.join()
+
     def close(self) -> None:
         self.pub.shutdown()
         for endpoint in (self.endpoint, self.replay_endpoint):  # ZMQ leaves ipc:// socket files behind
@@ -121,6 +126,7 @@ async def test_late_subscriber_catches_up_and_keys_match(broker_address: str, pu
         await broker.stub.RegisterEngine(pb.RegisterEngineRequest(
             engine=engine(eid, pb.ENGINE_ROLE_PREFILL, FP, bs=bs, incarnation="inc-a")), timeout=5)
         publisher.store(prompt[: 3 * bs], bs)  # before anyone listens: only the replay endpoint has it
+        publisher.sent()  # else the publisher thread could still be sending it when the feed subscribes
         feed = CacheFeed(sidecar_config(broker_address, eid, publisher), client, metrics, "inc-a", bs)
         feed.on_registered()
         await heartbeat_until(publisher, lambda: asyncio.sleep(0, len(feed.mirror) == 3), "the replayed blocks")
