@@ -217,7 +217,8 @@ def place(
     transfers = [o for o in options if o.pull is not None]
     cost = min(transfers, key=lambda o: o.seconds).pull if transfers else None
     cost = cost or CostEstimate()
-    tps, tps_measured = _tps(best.prefill if best.decision is not Decision.DECODE_LOCAL else decode, policy, fleet)
+    # A DECODE_LOCAL option's engine is the decode engine: best.prefill is the engine that computes the prompt.
+    tps, tps_measured = _tps(best.prefill, policy, fleet)
     cost = CostEstimate(cost.transfer_s, cost.recompute_s, cost.bandwidth_bytes_per_s, tps, cost.bytes_per_block,
                         cost.measured if best.decision is Decision.TRANSFER else tps_measured,
                         decode_local_s=cheapest(Decision.DECODE_LOCAL),
@@ -244,7 +245,7 @@ def place(
         reason=reason,
         prompt_blocks=len(request.keys),
         threshold_tokens=policy.threshold_tokens,
-        prefill=(decode if best.decision is Decision.DECODE_LOCAL else best.prefill).info,
+        prefill=best.prefill.info,
         decode=decode.info,
         decode_sticky=sticky,
         session_id=request.session_id,
