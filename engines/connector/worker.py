@@ -1,8 +1,11 @@
 """The connector's worker side (each vLLM worker process): upstream's pull worker, with reads of retained
-blocks never freeing them and a NIXL progress thread that sleeps between polls."""
+blocks never freeing them, a NIXL progress thread that sleeps between polls, and the worker's CPU binding kept."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
@@ -33,13 +36,31 @@ class CountingNotifs:
         return kept
 
 
+@contextlib.contextmanager
+def keep_cpu_binding() -> Iterator[None]:
+    """Undo any change of this thread's CPU affinity made inside the block.
+
+    vLLM 0.32's NIXL worker on the CPU pins the thread that builds it (the worker's main thread) to the last core
+    of each NUMA node, "reserved for start_load_kv". With one OpenMP thread per engine that main thread is the one
+    that runs the model, so every engine's forward pass moved to the machine's last core: in the benchmark the two
+    prefill engines (bound to core 0 by ``omp_threads_bind``) computed on core 1 beside the decode engine, and a
+    prefill engine's worker ran 0.46 s of 10 s while core 0 sat a third idle (``/proc/PID/schedstat``). The
+    binding that vLLM's CPU worker gave the thread from ``VLLM_CPU_OMP_THREADS_BIND`` is the one to keep."""
+    before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    try:
+        yield
+    finally:
+        if before is not None and os.sched_getaffinity(0) != before:
+            os.sched_setaffinity(0, before)
+
+
 class KvloopConnectorWorker(NixlPullConnectorWorker):
-    """Upstream's worker, its NIXL agent created with ``kvloop_nixl_progress_delay_us`` and its notifications
-    filtered by :class:`CountingNotifs`."""
+    """Upstream's worker, its NIXL agent created with ``kvloop_nixl_progress_delay_us``, its notifications
+    filtered by :class:`CountingNotifs`, and the engine's CPU binding kept (:func:`keep_cpu_binding`)."""
 
     def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig) -> None:
         settings = ConnectorSettings.from_extra(vllm_config.kv_transfer_config.kv_connector_extra_config)
-        with nixl_progress_delay(settings.kvloop_nixl_progress_delay_us):
+        with nixl_progress_delay(settings.kvloop_nixl_progress_delay_us), keep_cpu_binding():
             super().__init__(vllm_config, engine_id, kv_cache_config)
         wrapper: Any = getattr(self, "nixl_wrapper", None)
         if wrapper is not None:

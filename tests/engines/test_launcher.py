@@ -391,6 +391,27 @@ def test_launcher_cli_stops_the_engine_on_sigterm_during_startup(tiny_model: Pat
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.stops_engines
+def cpu_list(spec: str) -> set[int]:
+    """``0-2,5`` -> {0, 1, 2, 5} (the format of ``VLLM_CPU_OMP_THREADS_BIND``)."""
+    cores: set[int] = set()
+    for part in spec.split(","):
+        first, _, last = part.partition("-")
+        cores.update(range(int(first), int(last or first) + 1))
+    return cores
+
+
+def test_each_engine_computes_on_its_own_cores(pd_engines: PDEngines) -> None:
+    """The worker's main thread runs the model (one OpenMP thread per engine); vLLM's NIXL worker would pin it to
+    the machine's last core, putting every engine's forward pass on one core. kvloop's connector keeps the
+    engine's ``omp_threads_bind``."""
+    for engine in (pd_engines.prefill, pd_engines.decode):
+        workers = [pid for pid in group_members(engine.pgid)
+                   if Path(f"/proc/{pid}/comm").read_text().strip() == "VLLM::Worker"]
+        assert len(workers) == 1, workers
+        expected = cpu_list(engine.plan.config.resolved_omp_threads_bind())
+        assert os.sched_getaffinity(workers[0]) == expected, (engine.engine_id, expected)
+
+
 def test_stop_leaves_no_process_of_the_engine(pd_engines: PDEngines) -> None:
     engines: list[EngineProcess] = [pd_engines.decode, pd_engines.prefill]
     for engine in engines:
