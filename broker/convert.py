@@ -51,7 +51,7 @@ def engine_from_pb(msg: pb.Engine) -> EngineInfo:
     return EngineInfo(
         engine_id=msg.engine_id, role=role_from_pb(msg.role), block_size=msg.block_size,
         layout_fingerprint=msg.layout_fingerprint, retention_budget_blocks=msg.retention_budget_blocks,
-        addresses=addresses_from_pb(msg.addresses), incarnation=msg.incarnation,
+        addresses=addresses_from_pb(msg.addresses), incarnation=msg.incarnation, model=msg.model,
     )
 
 
@@ -59,7 +59,7 @@ def engine_to_pb(info: EngineInfo) -> pb.Engine:
     return pb.Engine(
         engine_id=info.engine_id, role=_ROLE_TO_PB[info.role], addresses=addresses_to_pb(info.addresses),
         block_size=info.block_size, layout_fingerprint=info.layout_fingerprint,
-        retention_budget_blocks=info.retention_budget_blocks, incarnation=info.incarnation,
+        retention_budget_blocks=info.retention_budget_blocks, incarnation=info.incarnation, model=info.model,
     )
 
 

@@ -173,7 +173,8 @@ def build_sidecar_env(config: EngineConfig, *, engine_id: str, port: int, nixl_p
         "ENGINE_ID": engine_id, "ROLE": config.role, "BROKER": config.broker, "SOCKET": str(socket_path),
         "LISTEN": config.sidecar_listen or f"{host}:0", "METRICS_LISTEN": f"{host}:0",
         "ENGINE_URL": f"http://{host}:{port}", "NIXL_ADDRESS": f"{config.resolved_nixl_host()}:{nixl_port}",
-        "LAYOUT_FINGERPRINT": fingerprint, "RETENTION_FRACTION": str(config.retention_fraction),
+        "LAYOUT_FINGERPRINT": fingerprint, "SERVED_MODEL": config.resolved_served_model_name(),
+        "RETENTION_FRACTION": str(config.retention_fraction),
         "LEASE_TTL_S": str(config.lease_ttl_s), "HOLD_S": str(config.hold_s),
         "LOG_FORMAT": "json", "LOG_LEVEL": config.log_level, **config.sidecar_tls_env(),
     }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 from pathlib import Path
@@ -130,7 +131,9 @@ def _model_fingerprint(args: argparse.Namespace) -> int:
     fingerprint = engine_fingerprint(args.model, dtype=args.dtype, block_size=block_size)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(f"layout_fingerprint: \"{fingerprint}\"\n")  # quoted: never a YAML number
+        # Quoted: never a YAML number. The served name is the engine's default, the model directory's name.
+        served = args.served_model_name or args.model.resolve().name
+        args.out.write_text(f"layout_fingerprint: \"{fingerprint}\"\nserved_model: {json.dumps(served)}\n")
     print(fingerprint)
     return 0
 
@@ -193,8 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
     fingerprint.add_argument("--block-size", type=int, default=None,
                              help="the engine's --block-size (default: the platform's, as the launcher: 128 on "
                                   "the CPU build, else 16)")
+    fingerprint.add_argument("--served-model-name", default="",
+                             help="the engine's --served-model-name (default: the model directory's name)")
     fingerprint.add_argument("--out", type=Path, default=None,
-                             help="also write `layout_fingerprint: ...` here, a YAML file for the sidecar's --config")
+                             help="also write `layout_fingerprint: ...` and `served_model: ...` here, a YAML file "
+                                  "for the sidecar's --config")
     fingerprint.set_defaults(func=_model_fingerprint)
 
     from kvloop.router.config import RouterConfig

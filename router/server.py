@@ -233,7 +233,7 @@ class RouterApp:
         return response
 
     async def models(self, request: web.Request) -> web.Response:
-        names = {self.config.model} if self.config.model else set()
+        names = {self.config.model} if self.config.model else self.runner.directory.models()
         if not names:
             for engine in self.runner.directory.of_role("decode"):
                 with contextlib.suppress(Exception):

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import itertools
 import json
 import time
 from collections.abc import AsyncIterator
@@ -36,6 +35,7 @@ import structlog
 from opentelemetry import propagate, trace
 
 from kvloop.router.config import RouterConfig
+from kvloop.router.directory import Directory, EngineInfo
 from kvloop.router.metrics import RouterMetrics
 from kvloop.router.recent import RecentTurns
 from kvloop.router.tokenizer import RouterTokenizer
@@ -66,49 +66,6 @@ class TurnError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    engine_id: str
-    role: str
-    http: str
-    nixl: str = ""
-    block_size: int = 0
-    fingerprint: str = ""
-
-
-class Directory:
-    """The engines the router can use: from the broker's ``Inspect`` (refreshed), else the configured URLs."""
-
-    def __init__(self, config: RouterConfig) -> None:
-        self.engines: dict[str, EngineInfo] = {}
-        self.static = {
-            "prefill": [EngineInfo(f"prefill@{u}", "prefill", u) for u in config.urls("prefill_urls")],
-            "decode": [EngineInfo(f"decode@{u}", "decode", u) for u in config.urls("decode_urls")],
-        }
-        self._rr = itertools.count()
-
-    def update(self, reply: pb.InspectResponse) -> None:
-        roles = {pb.ENGINE_ROLE_PREFILL: "prefill", pb.ENGINE_ROLE_DECODE: "decode", pb.ENGINE_ROLE_BOTH: "both"}
-        self.engines = {e.engine.engine_id: EngineInfo(e.engine.engine_id, roles.get(e.engine.role, "both"),
-                                                       e.engine.addresses.http.rstrip("/"), e.engine.addresses.nixl,
-                                                       e.engine.block_size, e.engine.layout_fingerprint)
-                        for e in reply.engines}
-
-    def of_role(self, role: str) -> list[EngineInfo]:
-        known = [e for e in self.engines.values() if e.role in (role, "both") and e.http]
-        return known or self.static[role]
-
-    def pick(self, role: str, exclude: set[str] = frozenset()) -> EngineInfo | None:  # type: ignore[assignment]
-        candidates = [e for e in self.of_role(role) if e.engine_id not in exclude]
-        return candidates[next(self._rr) % len(candidates)] if candidates else None
-
-    def layout(self) -> tuple[str, int] | None:
-        for e in self.engines.values():
-            if e.fingerprint and e.block_size:
-                return e.fingerprint, e.block_size
-        return None
 
 
 @dataclass
@@ -205,13 +162,18 @@ class TurnRunner:
         self._background: set[asyncio.Task[Any]] = set()
         self.recent = RecentTurns(config.publication_wait_s)
         self.tokenizer = RouterTokenizer(config.tokenizer) if config.tokenizer else None
+        self.broker_answered = False
+        """Whether the last ``Inspect`` got an answer: without a layout, the turn's fallback is then ``no_layout``
+        (the broker knows no engine of the model), else ``broker_unavailable``."""
 
     async def refresh(self) -> None:
         if self.broker is None:
             return
         try:
             self.directory.update(await self.broker.call("Inspect", pb.InspectRequest()))
+            self.broker_answered = True
         except Exception as exc:  # the broker may be down: keep the last list
+            self.broker_answered = False
             log.debug("router.refresh_failed", error=str(exc))
 
     async def refresh_forever(self) -> None:
@@ -250,7 +212,8 @@ class TurnRunner:
         if kind == "completion" and isinstance(body.get("prompt"), list) and all(
                 isinstance(t, int) for t in body["prompt"]):
             return list(body["prompt"])
-        if self.tokenizer is not None:
+        model = str(body.get("model", ""))
+        if self.tokenizer is not None and self.tokenizer_serves(model):
             local = await asyncio.to_thread(self.tokenizer.tokens, kind, body, CHAT_TEMPLATE_FIELDS)
             if local is not None:
                 return local
@@ -261,7 +224,8 @@ class TurnRunner:
         else:
             request["prompt"] = body["prompt"]
         tried: set[str] = set()
-        while (engine := self.directory.pick("prefill", tried) or self.directory.pick("decode", tried)) is not None:
+        while (engine := self.directory.pick("prefill", model, tried)
+               or self.directory.pick("decode", model, tried)) is not None:
             tried.add(engine.engine_id)
             try:
                 reply = await self._post(engine, "/tokenize", request)
@@ -272,6 +236,11 @@ class TurnRunner:
             except (aiohttp.ClientError, TimeoutError) as exc:
                 log.warning("router.tokenize_failed", engine=engine.engine_id, error=str(exc))
         raise TurnError(503, "no engine is available to tokenize the request")
+
+    def tokenizer_serves(self, model: str) -> bool:
+        """The configured tokenizer is the served model's: the one model a router with ``model`` set accepts, else
+        the one model its engines name (with several, each request's engine tokenizes)."""
+        return bool(self.config.model) or len(self.directory.models() - {model}) == 0
 
     # The turn.
 
@@ -292,6 +261,11 @@ class TurnRunner:
             raise
 
     async def _prepare(self, kind: str, body: dict[str, Any], session: str, span: Any, started: float) -> Prepared:
+        model = str(body.get("model", ""))
+        if not self.directory.knows(model):
+            served = ", ".join(sorted(self.directory.models()))
+            raise TurnError(404, f"model: the model '{model}' does not exist (the engines serve {served})",
+                            "invalid_request_error", "model")
         timings: dict[str, float] = {}
         mark = time.perf_counter()
 
@@ -309,9 +283,9 @@ class TurnRunner:
                                  f"({self.config.max_prompt_tokens})", "invalid_request_error", "messages")
         span.set_attribute("gen_ai.usage.input_tokens", len(tokens))
         with tracer.start_as_current_span("kvloop.place") as place_span:
-            plan, keys, wait_ms, pin = await self._place(tokens, session)
+            plan, keys, wait_ms, pin, fallback = await self._place(tokens, session, model)
             decision = pb.Decision.Name(plan.decision).removeprefix("DECISION_") if plan else "RECOMPUTE"
-            reason = plan.reason if plan else "broker_unavailable"
+            reason = plan.reason if plan else fallback
             place_span.set_attribute("kvloop.decision", decision)
         lap("place")
         if wait_ms:
@@ -320,11 +294,11 @@ class TurnRunner:
         decode = self.directory.engines.get(plan.decode_engine_id) if plan else None
         if decision == "DECODE_LOCAL" and decode is None:
             decision, reason = "RECOMPUTE", "decode_engine_unknown"
-        prefill = prefill or self.directory.pick("prefill")
-        decode = decode or self.directory.pick("decode")
+        prefill = prefill or self.directory.pick("prefill", model)
+        decode = decode or self.directory.pick("decode", model)
         if prefill is None or decode is None:
-            raise TurnError(503, "no prefill and decode engines are available")
-        layout = self.directory.layout()
+            raise TurnError(503, f"no prefill and decode engines serving '{model}' are available")
+        layout = self.directory.layout(model)
         prepared = Prepared(kind=kind, session=session, body=body, decode=decode, decode_params={}, span=span,
                             started=started, decision=decision, reason=reason, prompt_tokens=len(tokens),
                             matched_tokens=int(plan.matched_tokens) if plan else 0, prompt_keys=keys,
@@ -332,7 +306,8 @@ class TurnRunner:
                             planned_local_tokens=int(plan.local_tokens) if plan else 0,
                             planned_pull_tokens=int(plan.pull_tokens) if plan else 0,
                             available_tokens=int(plan.cached_tokens_seen) if plan else 0)
-        prepared.decode_alternatives = [e for e in self.directory.of_role("decode") if e.engine_id != decode.engine_id]
+        prepared.decode_alternatives = [e for e in self.directory.of_role("decode", model)
+                                        if e.engine_id != decode.engine_id]
         if plan is not None:
             span.set_attributes(plan_attributes(plan))
         if decision == "DECODE_LOCAL":
@@ -350,7 +325,7 @@ class TurnRunner:
                 params = transfer_params(plan, pin)
             lap("pin")
         with tracer.start_as_current_span("kvloop.prefill") as prefill_span:
-            reply, used = await self._prefill(body, params, prefill)
+            reply, used = await self._prefill(body, params, prefill, model)
             p_params = dict(reply.get("kv_transfer_params") or {})
             report = PrefillReport.pop_from(p_params)
             prefill_span.set_attribute("kvloop.engine", used.engine_id)
@@ -368,14 +343,19 @@ class TurnRunner:
         prepared.decode_params, prepared.report = p_params, report
         return prepared
 
-    async def _place(self, tokens: list[int], session: str
-                     ) -> tuple[pb.Plan | None, list[bytes], float, pb.PinBlocksResponse | None]:
-        """The plan, the prompt's block keys, the milliseconds spent waiting for a publication, and the pin the
-        broker took with the plan (TRANSFER)."""
-        layout = self.directory.layout()
+    async def _place(self, tokens: list[int], session: str, model: str
+                     ) -> tuple[pb.Plan | None, list[bytes], float, pb.PinBlocksResponse | None, str]:
+        """The plan, the prompt's block keys, the milliseconds spent waiting for a publication, the pin the broker
+        took with the plan (TRANSFER), and without a plan why not (the turn's reason and the fallback's label):
+        ``no_broker`` (none configured), ``no_layout`` (the broker answered, and no engine serving the model has
+        registered a layout), ``broker_unavailable`` (unreachable, or past ``broker_timeout_s``), ``place_refused``
+        (the broker answered the placement with an error, e.g. no live engine of that layout)."""
+        layout = self.directory.layout(model)
         if self.placements is None or layout is None:
-            self.metrics.fallbacks.labels("broker_unavailable").inc()
-            return None, [], 0.0, None
+            cause = ("no_broker" if self.placements is None else "no_layout" if self.broker_answered
+                     else "broker_unavailable")
+            self.metrics.fallbacks.labels(cause).inc()
+            return None, [], 0.0, None, cause
         fingerprint, block_size = layout
         keys = block_keys(tokens, block_size, ExtraKeys(fingerprint))
         carrier: dict[str, str] = {}
@@ -384,7 +364,7 @@ class TurnRunner:
                                   layout_fingerprint=fingerprint, block_size=block_size, pin=True,
                                   no_decode_local=not self.config.decode_local,
                                   traceparent=carrier.get("traceparent", ""))
-        plan = await self._place_once(request)
+        plan, cause = await self._place_once(request)
         wait_ms = 0.0
         # The previous answer's lease may be a few ms from published (router/recent.py): place again until the
         # match covers the answered prompt this one extends, or the window since that answer has passed.
@@ -397,7 +377,7 @@ class TurnRunner:
             waited = time.monotonic()
             while plan is not None and plan.matched_blocks < due and time.monotonic() < deadline:
                 await asyncio.sleep(PUBLICATION_POLL_S)
-                plan = await self._place_once(request)
+                plan, cause = await self._place_once(request)
             outcome = "published" if plan is not None and plan.matched_blocks >= due else "timed_out"
             wait_ms = round((time.monotonic() - waited) * 1e3, 3)
             self.metrics.publication_waits.labels(outcome).inc()
@@ -405,9 +385,10 @@ class TurnRunner:
             log.info("router.publication_wait", outcome=outcome, due_blocks=due,
                      matched_blocks=plan.matched_blocks if plan else None)
         pin = plan.pin if plan is not None and plan.HasField("pin") else None
-        return plan, keys, wait_ms, pin
+        return plan, keys, wait_ms, pin, cause
 
-    async def _place_once(self, request: pb.PlaceRequest) -> pb.Plan | None:
+    async def _place_once(self, request: pb.PlaceRequest) -> tuple[pb.Plan | None, str]:
+        """The plan, or None and the fallback's cause (see :meth:`_place`)."""
         try:
             plan: pb.Plan = await self.placements.place(request,  # type: ignore[union-attr]
                                                         timeout_s=self.config.broker_timeout_s)
@@ -415,12 +396,13 @@ class TurnRunner:
             self.metrics.broker_errors.labels("Place").inc()
             self.metrics.fallbacks.labels("broker_unavailable").inc()
             log.warning("router.broker_unavailable", error=str(exc) or type(exc).__name__)
-            return None
+            return None, "broker_unavailable"
         if plan.error:
             self.metrics.broker_errors.labels("Place").inc()
+            self.metrics.fallbacks.labels("place_refused").inc()
             log.warning("router.place_refused", error=plan.error)
-            return None
-        return plan
+            return None, "place_refused"
+        return plan, ""
 
     async def _pin(self, plan: pb.Plan, reader: str) -> pb.PinBlocksResponse | None:
         assert self.broker is not None
@@ -448,7 +430,7 @@ class TurnRunner:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _prefill(self, body: dict[str, Any], params: dict[str, Any], first: EngineInfo
+    async def _prefill(self, body: dict[str, Any], params: dict[str, Any], first: EngineInfo, model: str
                        ) -> tuple[dict[str, Any], EngineInfo]:
         request = copy.deepcopy(body)
         for key in ("stream", "stream_options", "n", "logprobs", "top_logprobs", "echo"):
@@ -471,7 +453,7 @@ class TurnRunner:
                 log.warning("router.prefill_failed", engine=engine.engine_id, error=str(exc) or type(exc).__name__)
             self.metrics.fallbacks.labels("prefill_retry").inc()
             request["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False}  # no pull
-            engine = self.directory.pick("prefill", tried)
+            engine = self.directory.pick("prefill", model, tried)
         raise TurnError(503, "no prefill engine could serve the request")
 
     def decode_request(self, prepared: Prepared) -> dict[str, Any]:

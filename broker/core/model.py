@@ -53,6 +53,8 @@ class EngineInfo:
     retention_budget_blocks: int
     addresses: Addresses = Addresses()
     incarnation: str = ""
+    model: str = ""
+    """The name the engine serves in the OpenAI API; "" for an engine that did not say (it serves any model)."""
 
     def same_layout(self, other: EngineInfo) -> bool:
         return (self.block_size, self.layout_fingerprint) == (other.block_size, other.layout_fingerprint)

@@ -6,7 +6,7 @@ The shell persists what changed (``take_changes``) and delivers eviction command
 
 from __future__ import annotations
 
-import math
+import re
 import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
@@ -43,6 +43,13 @@ class Limits:
     eviction_log_size: int = 4096
     soft_index_max_blocks: int = 65536
     max_cache_event_keys: int = 4096
+    # What a registration may claim. Generous for any real engine; a value past them is a bug or a forgery, and
+    # one accepted engine's layout or rates otherwise steer every placement (block sizes multiply into token
+    # counts, a budget into eviction arithmetic, a rate into every cost estimate).
+    max_block_size: int = 4096
+    max_retention_budget_blocks: int = 1 << 24
+    max_prefill_tokens_per_s: float = 1e8
+    max_transfer_bytes_per_s: float = 1e13
 
 
 @dataclass
@@ -70,6 +77,45 @@ def _check_id(value: str, name: str, limit: int, *, required: bool = True) -> No
         raise InvalidArgument(f"{name}: must not be empty", field=name)
     if len(value) > limit:
         raise InvalidArgument(f"{name}: longer than {limit} characters", field=name)
+    if not value.isprintable():
+        raise InvalidArgument(f"{name}: must be printable text", field=name)
+
+
+FINGERPRINT = re.compile(r"[A-Za-z0-9._:+-]{1,64}")
+"""A token of at most 64 characters (``kvloop.shared.hashing.layout_fingerprint`` gives 24 hex digits). A made-up but
+well-formed fingerprint cannot be told from a real one here; what keeps it from steering real turns is that the
+router places each request with the layout of the engines serving its model, and mTLS on who may register."""
+HOST_PORT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})")
+HTTP_URL = re.compile(r"https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)(:[0-9]{1,5})?(/[\x21-\x7e]*)?")
+
+
+def _check_address(value: str, name: str, pattern: re.Pattern[str], shape: str) -> None:
+    if not value:
+        return
+    match = pattern.fullmatch(value)
+    port = match and (match.group(2) or ":1").lstrip(":")
+    if not match or not port or not 0 < int(port) <= 65535:
+        raise InvalidArgument(f"{name}: expected {shape} (got {value[:80]!r})", field=name)
+
+
+def check_engine_info(info: EngineInfo, lim: Limits) -> None:
+    """A registration's bounds; every error names the field."""
+    _check_id(info.engine_id, "engine.engine_id", lim.max_id_len)
+    _check_id(info.incarnation, "engine.incarnation", lim.max_id_len, required=False)
+    _check_id(info.model, "engine.model", lim.max_id_len, required=False)
+    if not FINGERPRINT.fullmatch(info.layout_fingerprint):
+        raise InvalidArgument("engine.layout_fingerprint: expected 1 to 64 letters, digits or ._:+- "
+                              f"(got {info.layout_fingerprint[:80]!r})",
+                              field="engine.layout_fingerprint")
+    if not 0 < info.block_size <= lim.max_block_size:
+        raise InvalidArgument(f"engine.block_size: must be within 1..{lim.max_block_size} tokens",
+                              field="engine.block_size")
+    if not 0 <= info.retention_budget_blocks <= lim.max_retention_budget_blocks:
+        raise InvalidArgument(f"engine.retention_budget_blocks: must be within 0..{lim.max_retention_budget_blocks}",
+                              field="engine.retention_budget_blocks")
+    _check_address(info.addresses.grpc, "engine.addresses.grpc", HOST_PORT, "host:port")
+    _check_address(info.addresses.nixl, "engine.addresses.nixl", HOST_PORT, "host:port")
+    _check_address(info.addresses.http, "engine.addresses.http", HTTP_URL, "an http(s)://host[:port] URL")
 
 
 class BrokerState:
@@ -138,20 +184,13 @@ class BrokerState:
 
     # ----------------------------------------------------------------- engines
     def register(self, info: EngineInfo, now: float) -> tuple[EngineRecord, list[str]]:
-        lim = self.limits.max_id_len
-        _check_id(info.engine_id, "engine.engine_id", lim)
-        _check_id(info.layout_fingerprint, "engine.layout_fingerprint", lim)
-        _check_id(info.incarnation, "engine.incarnation", lim, required=False)
-        if info.block_size <= 0:
-            raise InvalidArgument("engine.block_size: must be positive", field="engine.block_size")
-        if info.retention_budget_blocks < 0:
-            raise InvalidArgument("engine.retention_budget_blocks: must not be negative",
-                                  field="engine.retention_budget_blocks")
+        check_engine_info(info, self.limits)
         old = self.engines.get(info.engine_id)
         if old is not None and old.info.incarnation == info.incarnation:
             changed = ("engine.layout_fingerprint" if old.info.layout_fingerprint != info.layout_fingerprint
                        else "engine.block_size" if old.info.block_size != info.block_size
-                       else "engine.role" if old.info.role != info.role else "")
+                       else "engine.role" if old.info.role != info.role
+                       else "engine.model" if old.info.model != info.model else "")
             if changed:
                 raise FailedPrecondition(
                     f"{changed}: engine {info.engine_id!r} is registered with role "
@@ -188,9 +227,10 @@ class BrokerState:
         rec = self._engine(engine_id)
         if not 0.0 <= load.kv_usage <= 1.0:
             raise InvalidArgument("load.kv_usage: must be within 0..1", field="load.kv_usage")
-        for name in ("prefill_tokens_per_s", "transfer_bytes_per_s"):
-            if not 0 <= getattr(load, name) < math.inf:  # NaN fails too: it would poison every cost estimate
-                raise InvalidArgument(f"load.{name}: must be finite and not negative", field=f"load.{name}")
+        for name, most in (("prefill_tokens_per_s", self.limits.max_prefill_tokens_per_s),
+                           ("transfer_bytes_per_s", self.limits.max_transfer_bytes_per_s)):
+            if not 0 <= getattr(load, name) <= most:  # NaN fails too: it would poison every cost estimate
+                raise InvalidArgument(f"load.{name}: must be within 0..{most:g}", field=f"load.{name}")
         rec.load = load
         rec.last_seen = now
         self._touch_engine(rec)

@@ -14,7 +14,8 @@ def encode_engine(rec: EngineRecord) -> bytes:
         "engine_id": info.engine_id, "role": info.role.value, "block_size": info.block_size,
         "layout_fingerprint": info.layout_fingerprint, "retention_budget_blocks": info.retention_budget_blocks,
         "addresses": [info.addresses.grpc, info.addresses.http, info.addresses.nixl],
-        "incarnation": info.incarnation, "registered_at": rec.registered_at, "last_seen": rec.last_seen,
+        "incarnation": info.incarnation, "model": info.model, "registered_at": rec.registered_at,
+        "last_seen": rec.last_seen,
         "eviction_seq": rec.eviction_seq, "learned_bandwidth": rec.learned_bandwidth,
         "load": {k: getattr(rec.load, k) for k in EngineLoad.__dataclass_fields__},
     }).encode()
@@ -25,7 +26,7 @@ def decode_engine(raw: bytes) -> EngineRecord:
     info = EngineInfo(
         engine_id=d["engine_id"], role=Role(d["role"]), block_size=d["block_size"],
         layout_fingerprint=d["layout_fingerprint"], retention_budget_blocks=d["retention_budget_blocks"],
-        addresses=Addresses(*d["addresses"]), incarnation=d["incarnation"],
+        addresses=Addresses(*d["addresses"]), incarnation=d["incarnation"], model=d.get("model", ""),
     )
     return EngineRecord(info=info, registered_at=d["registered_at"], last_seen=d["last_seen"],
                         load=EngineLoad(**d["load"]), eviction_seq=d["eviction_seq"],

@@ -28,6 +28,8 @@ class SidecarConfig(ServiceConfig):
     engine_url: str = setting("", "the engine's OpenAI server base URL, e.g. http://127.0.0.1:8000 (required)")
     nixl_address: str = setting("", "the engine's NIXL side channel host:port, advertised to readers")
     layout_fingerprint: str = setting("", "layout fingerprint (kvloop model fingerprint; required)")
+    served_model: str = setting("", "the model name the engine serves (its --served-model-name): the router sends a "
+                                    "request only to engines serving the model it names; empty = any model")
     retention_fraction: float = setting(0.5, "share of the engine's KV blocks the broker may keep retained")
     lease_ttl_s: float = setting(0.0, "TTL asked for each published lease; 0 = the broker's default")
     hold_s: float = setting(DEFAULT_HOLD_S, "safety hold renewed on the engine for live leases; must exceed the "

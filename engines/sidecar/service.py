@@ -152,7 +152,7 @@ class Sidecar(engine_link_pb2_grpc.EngineLinkServicer):
                                                       nixl=self.config.nixl_address),
                          block_size=self.hello.block_size, layout_fingerprint=self.config.layout_fingerprint,
                          retention_budget_blocks=budget if self.hello.kv_role_decode else 0,
-                         incarnation=self.hello.incarnation)
+                         incarnation=self.hello.incarnation, model=self.config.served_model)
 
     async def _register_forever(self) -> None:
         """Register (retrying with back-off), then keep alive and follow evictions until cancelled."""

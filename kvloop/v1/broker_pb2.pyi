@@ -61,7 +61,7 @@ class EngineAddresses(_message.Message):
     def __init__(self, grpc: _Optional[str] = ..., http: _Optional[str] = ..., nixl: _Optional[str] = ...) -> None: ...
 
 class Engine(_message.Message):
-    __slots__ = ("engine_id", "role", "addresses", "block_size", "layout_fingerprint", "retention_budget_blocks", "incarnation")
+    __slots__ = ("engine_id", "role", "addresses", "block_size", "layout_fingerprint", "retention_budget_blocks", "incarnation", "model")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESSES_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,7 @@ class Engine(_message.Message):
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     RETENTION_BUDGET_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     role: EngineRole
     addresses: EngineAddresses
@@ -76,7 +77,8 @@ class Engine(_message.Message):
     layout_fingerprint: str
     retention_budget_blocks: int
     incarnation: str
-    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[_Union[EngineRole, str]] = ..., addresses: _Optional[_Union[EngineAddresses, _Mapping]] = ..., block_size: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., retention_budget_blocks: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    model: str
+    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[_Union[EngineRole, str]] = ..., addresses: _Optional[_Union[EngineAddresses, _Mapping]] = ..., block_size: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., retention_budget_blocks: _Optional[int] = ..., incarnation: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class EngineLoad(_message.Message):
     __slots__ = ("running_requests", "waiting_requests", "kv_usage", "memory_pressure", "pressure_free_blocks", "prefill_tokens_per_s", "transfer_bytes_per_s", "bytes_per_block")

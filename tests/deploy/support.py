@@ -183,7 +183,7 @@ def run_fingerprint(checked: Checked, paths: Mapping[str, str]) -> Path:
     if code != 0:
         raise DeployError(f"{checked.where}: `{shlex.join(checked.argv)}` exited {code}")
     written = Path(local[local.index("--out") + 1])
-    if not re.fullmatch(r'layout_fingerprint: "[0-9a-f]+"\n', written.read_text()):
+    if not re.fullmatch(r'layout_fingerprint: "[0-9a-f]+"\nserved_model: "[^"]+"\n', written.read_text()):
         raise DeployError(f"{checked.where}: unexpected fingerprint file {written.read_text()!r}")
     return written
 

@@ -279,6 +279,50 @@ async def test_unreachable_broker_still_answers_by_recomputing(pd_engines: PDEng
         await running.stop()
 
 
+async def test_a_bogus_registration_neither_passes_nor_steers_real_turns(router: RunningRouter,
+                                                                          pd_engines: PDEngines) -> None:
+    """Issue 13's find: a registration with block size 2^32-1, a budget of 2^63 and a made-up fingerprint was
+    accepted, and the router then placed every turn with that engine's layout (recompute, labelled
+    broker_unavailable). Now the broker refuses it naming the field; a well-formed engine of another model is
+    accepted but lends its layout to no request of this model."""
+    import grpc
+
+    from kvloop.shared.client import BrokerClient
+    from kvloop.v1 import broker_pb2 as pb
+
+    def engine(**fields: Any) -> pb.RegisterEngineRequest:
+        base = {"engine_id": "bogus", "role": pb.ENGINE_ROLE_DECODE, "block_size": 16, "layout_fingerprint": "made-up",
+                "retention_budget_blocks": 10, "incarnation": "i1", "model": "other-model",
+                "addresses": pb.EngineAddresses(http="http://127.0.0.1:9", nixl="127.0.0.1:9")}
+        return pb.RegisterEngineRequest(engine=pb.Engine(**{**base, **fields}))
+
+    async with BrokerClient(pd_engines.broker) as client:
+        for fields, field in (({"block_size": 4294967295}, "engine.block_size"),
+                              ({"retention_budget_blocks": 2**63}, "engine.retention_budget_blocks"),
+                              ({"layout_fingerprint": "made up!"}, "engine.layout_fingerprint"),
+                              ({"addresses": pb.EngineAddresses(http="gopher://x")}, "engine.addresses.http")):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await client.call("RegisterEngine", engine(**fields))
+            assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT and field in str(refused.value.details())
+        await client.call("RegisterEngine", engine(block_size=4096))
+        try:
+            await router.runner.refresh()
+            assert "bogus" in router.runner.directory.engines
+            assert router.runner.directory.layout(pd_engines.model_name) != ("made-up", 4096)
+            SPANS.clear()
+            messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Which block, bogus?"}]
+            status, reply = await post(f"{router.url}/v1/chat/completions", chat_body(pd_engines.model_name, messages))
+            assert status == 200, reply
+            (span,) = turn_spans()
+            assert "kvloop.planned" in span.attributes, span.attributes  # the broker placed it: no fallback
+            assert span.attributes["kvloop.reason"] not in ("no_layout", "place_refused", "broker_unavailable")
+            status, reply = await post(f"{router.url}/v1/chat/completions", chat_body("no-such-model", messages))
+            assert status == 404 and reply["error"]["param"] == "model", reply
+        finally:
+            await client.call("DeregisterEngine", pb.DeregisterEngineRequest(engine_id="bogus"))
+            await router.runner.refresh()
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def strict_router(pd_engines: PDEngines) -> AsyncIterator[RunningRouter]:
     """A router that names its model and takes bodies of at most 4 KiB."""

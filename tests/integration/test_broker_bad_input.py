@@ -111,7 +111,10 @@ def register(eid: str = "d", role: int = pb.ENGINE_ROLE_DECODE, fp: str = FP, **
              ) -> pb.RegisterEngineRequest:
     msg = engine(eid, role, fp)
     for name, value in overrides.items():
-        setattr(msg, name, value)
+        if isinstance(value, pb.EngineAddresses):
+            getattr(msg, name).CopyFrom(value)
+        else:
+            setattr(msg, name, value)
     return pb.RegisterEngineRequest(engine=msg)
 
 
@@ -193,6 +196,15 @@ CASES: list[tuple[str, str, Any, grpc.StatusCode, str]] = [
     ("register-long-id", "RegisterEngine", register("e" * 300), INVALID, "engine.engine_id"),
     ("register-block-size", "RegisterEngine", register("new", block_size=0), INVALID, "engine.block_size"),
     ("register-empty-fingerprint", "RegisterEngine", register("new", fp=""), INVALID, "engine.layout_fingerprint"),
+    # Issue 13's registration, field by field: each alone was accepted before the bounds.
+    ("register-huge-block-size", "RegisterEngine", register("new", block_size=4294967295), INVALID,
+     "engine.block_size"),
+    ("register-huge-budget", "RegisterEngine", register("new", retention_budget_blocks=2**63), INVALID,
+     "engine.retention_budget_blocks"),
+    ("register-odd-fingerprint", "RegisterEngine", register("new", fp="made up; DROP"), INVALID,
+     "engine.layout_fingerprint"),
+    ("register-bad-grpc-address", "RegisterEngine",
+     register("new", addresses=pb.EngineAddresses(grpc="nohost")), INVALID, "engine.addresses.grpc"),
     ("reregister-other-fingerprint", "RegisterEngine", register("d", fp="fp-changed"), PRECONDITION,
      "engine.layout_fingerprint"),
     ("reregister-other-block-size", "RegisterEngine", register("d", block_size=64), PRECONDITION,

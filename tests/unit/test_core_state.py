@@ -48,8 +48,8 @@ def keys_of(tokens: Sequence[int], bs: int = BS) -> tuple[bytes, ...]:
 
 
 def info(eid: str, role: Role = Role.BOTH, budget: int = 1000, *, fp: str = FP, bs: int = BS,
-         incarnation: str = "inc1", addresses: Addresses | None = None) -> EngineInfo:
-    return EngineInfo(eid, role, bs, fp, budget, addresses or Addresses(grpc=f"{eid}:1"), incarnation)
+         incarnation: str = "inc1", addresses: Addresses | None = None, model: str = "") -> EngineInfo:
+    return EngineInfo(eid, role, bs, fp, budget, addresses or Addresses(grpc=f"{eid}:1"), incarnation, model)
 
 
 class Cluster:
@@ -172,6 +172,20 @@ def test_new_incarnation_drops_the_old_leases() -> None:
         ({"bs": 0}, "engine.block_size"),
         ({"bs": -16}, "engine.block_size"),
         ({"budget": -1}, "engine.retention_budget_blocks"),
+        # The registration found by hand (issue 13): a block size, a budget and a fingerprint no engine has.
+        ({"bs": 4294967295}, "engine.block_size"),
+        ({"bs": 4097}, "engine.block_size"),
+        ({"budget": 2**63}, "engine.retention_budget_blocks"),
+        ({"fp": "f" * 65}, "engine.layout_fingerprint"),
+        ({"fp": "fp with spaces"}, "engine.layout_fingerprint"),
+        ({"fp": "fp\x00"}, "engine.layout_fingerprint"),
+        ({"model": "m\n"}, "engine.model"),
+        ({"addresses": Addresses(grpc="no-port")}, "engine.addresses.grpc"),
+        ({"addresses": Addresses(grpc="host:70000")}, "engine.addresses.grpc"),
+        ({"addresses": Addresses(nixl="host:0")}, "engine.addresses.nixl"),
+        ({"addresses": Addresses(http="ftp://host:80")}, "engine.addresses.http"),
+        ({"addresses": Addresses(http="http://host:99999")}, "engine.addresses.http"),
+        ({"addresses": Addresses(http="http://host:80/a b")}, "engine.addresses.http"),
     ],
 )
 def test_register_validation(kwargs: dict[str, Any], field: str) -> None:
@@ -185,6 +199,10 @@ def test_register_accepts_limits_and_empty_incarnation() -> None:
     c = Cluster()
     c.state.register(info("x" * 256, incarnation="", budget=0), 0.0)
     assert "x" * 256 in c.state.engines
+    addresses = Addresses(grpc="[::1]:50051", http="https://engine-0.ns.svc:8000/v1", nixl="10.0.0.7:5600")
+    c.state.register(info("y", bs=4096, budget=1 << 24, fp="a" * 64, model="org/Model-7B:v1",
+                          addresses=addresses), 0.0)
+    assert c.state.engines["y"].info.model == "org/Model-7B:v1"
 
 
 def test_deregister() -> None:
@@ -216,6 +234,8 @@ def test_keepalive_records_load_and_liveness() -> None:
         (EngineLoad(prefill_tokens_per_s=float("nan")), "load.prefill_tokens_per_s"),
         (EngineLoad(transfer_bytes_per_s=-1.0), "load.transfer_bytes_per_s"),
         (EngineLoad(transfer_bytes_per_s=float("inf")), "load.transfer_bytes_per_s"),
+        (EngineLoad(prefill_tokens_per_s=1e12), "load.prefill_tokens_per_s"),
+        (EngineLoad(transfer_bytes_per_s=1e15), "load.transfer_bytes_per_s"),
     ],
 )
 def test_keepalive_validation(load: EngineLoad, field: str) -> None:

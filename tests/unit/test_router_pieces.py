@@ -10,8 +10,9 @@ import pytest
 
 from kvloop.engines.launcher import rpc_dir, short_path
 from kvloop.router.config import RouterConfig
+from kvloop.router.directory import Directory
 from kvloop.router.server import validate
-from kvloop.router.turn import Directory, TurnError
+from kvloop.router.turn import TurnError
 from kvloop.shared.client import complete_request, transfer_params
 from kvloop.shared.errors import ConfigError
 from kvloop.shared.protocol import BANDWIDTH_SAMPLE_MIN_BYTES, LEASE_READ_PREFIX, PrefillReport
@@ -67,8 +68,31 @@ def test_directory_prefers_the_broker_list_and_round_robins() -> None:
     assert {e.engine_id for e in d.of_role("decode")} == {"d1", "b1"}
     picks = {d.pick("prefill").engine_id for _ in range(6)}  # type: ignore[union-attr]
     assert picks == {"p1", "p2", "b1"}
-    assert d.pick("decode", {"d1", "b1"}) is None
+    assert d.pick("decode", exclude={"d1", "b1"}) is None
     assert d.engines["p2"].http == "http://p2:8000" and d.layout() == ("fp", 128)
+
+
+def test_directory_places_each_model_with_its_own_engines_and_layout() -> None:
+    """Two models behind one router, and a registration of a made-up layout that names no model (issue 13: the
+    router used the first engine's layout for every request)."""
+    def engine(eid: str, role: int, fp: str, model: str, bs: int = 128) -> pb.EngineStatus:
+        return pb.EngineStatus(engine=pb.Engine(engine_id=eid, role=role, block_size=bs, layout_fingerprint=fp,
+                                                model=model, addresses=pb.EngineAddresses(http=f"http://{eid}:1")))
+
+    d = Directory(RouterConfig(broker="127.0.0.1:1"))
+    d.update(pb.InspectResponse(engines=[
+        engine("bogus", pb.ENGINE_ROLE_DECODE, "made-up", "", bs=4096),
+        engine("a-p", pb.ENGINE_ROLE_PREFILL, "fp-a", "model-a"),
+        engine("a-d", pb.ENGINE_ROLE_DECODE, "fp-a", "model-a"),
+        engine("b-p", pb.ENGINE_ROLE_PREFILL, "fp-b", "model-b", 16),
+        engine("b-d", pb.ENGINE_ROLE_DECODE, "fp-b", "model-b", 16)]))
+    assert d.layout("model-a") == ("fp-a", 128) and d.layout("model-b") == ("fp-b", 16)
+    assert {e.engine_id for e in d.of_role("prefill", "model-a")} == {"a-p"}
+    assert {e.engine_id for e in d.of_role("decode", "model-b")} == {"b-d", "bogus"}  # said nothing: any model
+    assert d.models() == {"model-a", "model-b"} and d.knows("model-a") and d.knows("model-c")  # bogus serves any
+    d.update(pb.InspectResponse(engines=[engine("a-p", pb.ENGINE_ROLE_PREFILL, "fp-a", "model-a")]))
+    assert not d.knows("model-c") and d.layout("model-c") is None and d.of_role("prefill", "model-c") == []
+    assert d.of_role("decode", "model-a") == []  # the broker lists no decode engine: the configured URLs (none)
 
 
 def test_transfer_params_name_the_pinned_prefix() -> None:

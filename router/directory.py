@@ -1,0 +1,77 @@
+"""The engines a router can use, per served model: from the broker's ``Inspect`` (refreshed), else the configured
+URLs. Pure bookkeeping: no I/O here.
+
+Every request names a model. An engine that registered with one (``Engine.model``, its ``--served-model-name``)
+serves only that model; one that did not say serves any. A request is placed with the KV layout of the engines that
+serve its model, so two models behind one router each route by their own block keys, and an engine of another
+model (or a bogus registration) never lends its layout to a request it cannot serve.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from kvloop.router.config import RouterConfig
+from kvloop.v1 import broker_pb2 as pb
+
+ROLES = {pb.ENGINE_ROLE_PREFILL: "prefill", pb.ENGINE_ROLE_DECODE: "decode", pb.ENGINE_ROLE_BOTH: "both"}
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    engine_id: str
+    role: str
+    http: str
+    nixl: str = ""
+    block_size: int = 0
+    fingerprint: str = ""
+    model: str = ""
+    """The model the engine serves; "" when it did not say (a configured URL, an older sidecar): any."""
+
+    def serves(self, model: str) -> bool:
+        return not model or not self.model or self.model == model
+
+
+class Directory:
+    def __init__(self, config: RouterConfig) -> None:
+        self.engines: dict[str, EngineInfo] = {}
+        self.static = {
+            "prefill": [EngineInfo(f"prefill@{u}", "prefill", u) for u in config.urls("prefill_urls")],
+            "decode": [EngineInfo(f"decode@{u}", "decode", u) for u in config.urls("decode_urls")],
+        }
+        self._rr = itertools.count()
+
+    def update(self, reply: pb.InspectResponse) -> None:
+        self.engines = {e.engine.engine_id: EngineInfo(e.engine.engine_id, ROLES.get(e.engine.role, "both"),
+                                                       e.engine.addresses.http.rstrip("/"), e.engine.addresses.nixl,
+                                                       e.engine.block_size, e.engine.layout_fingerprint,
+                                                       e.engine.model)
+                        for e in reply.engines}
+
+    def of_role(self, role: str, model: str = "") -> list[EngineInfo]:
+        """Engines of ``role`` that serve ``model``; the configured URLs only while the broker lists none of the
+        role at all (not when it lists some, all of another model)."""
+        live = [e for e in self.engines.values() if e.role in (role, "both") and e.http]
+        if not live:
+            return self.static[role]
+        return [e for e in live if e.serves(model)]
+
+    def pick(self, role: str, model: str = "", exclude: frozenset[str] | set[str] = frozenset()) -> EngineInfo | None:
+        candidates = [e for e in self.of_role(role, model) if e.engine_id not in exclude]
+        return candidates[next(self._rr) % len(candidates)] if candidates else None
+
+    def models(self) -> set[str]:
+        """The model names engines registered with."""
+        return {e.model for e in self.engines.values() if e.model}
+
+    def knows(self, model: str) -> bool:
+        """False only when every listed engine says what it serves and none serves ``model``."""
+        return not self.engines or any(e.serves(model) for e in self.engines.values())
+
+    def layout(self, model: str = "") -> tuple[str, int] | None:
+        """The KV layout (fingerprint, block size) of the engines serving ``model``; None when none registered one.
+        Engines that named ``model`` are preferred to those that named nothing."""
+        serving = sorted((e for e in self.engines.values() if e.serves(model) and e.fingerprint and e.block_size),
+                         key=lambda e: (e.model != model, e.engine_id))
+        return (serving[0].fingerprint, serving[0].block_size) if serving else None
