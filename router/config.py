@@ -25,6 +25,9 @@ class RouterConfig(ServiceConfig):
     max_request_bytes: int = setting(8 * 1024 * 1024, "largest request body accepted, in bytes")
     max_prompt_tokens: int = setting(131072, "longest prompt accepted, in tokens")
     request_timeout_s: float = setting(600.0, "deadline of one engine call")
+    engine_stall_s: float = setting(60.0, "an engine that sends no byte for this long is taken as failed (a frozen "
+                                          "process accepts connections but never answers): the call goes to "
+                                          "another engine, a broken stream resumes there")
     broker_timeout_s: float = setting(2.0, "deadline of one broker call; past it the turn recomputes")
     publication_wait_s: float = setting(0.5, "for this long after a turn's answer, a next turn that extends it "
                                              "re-places until the decode's lease of that answer is published "
@@ -67,7 +70,7 @@ class RouterConfig(ServiceConfig):
         for name in ("max_request_bytes", "max_prompt_tokens"):
             self._require(getattr(self, name) > 0, name, "must be positive")
         self._require(self.publication_wait_s >= 0, "publication_wait_s", "must be 0 or more")
-        for name in ("request_timeout_s", "broker_timeout_s", "refresh_s"):
+        for name in ("request_timeout_s", "broker_timeout_s", "refresh_s", "engine_stall_s"):
             self._require(getattr(self, name) > 0, name, "must be positive")
         check_files(self, "tls_", server=True)
         check_files(self, "broker_tls_", server=False)

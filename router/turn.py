@@ -38,6 +38,7 @@ from kvloop.router.config import RouterConfig
 from kvloop.router.directory import Directory, EngineInfo
 from kvloop.router.metrics import RouterMetrics
 from kvloop.router.recent import RecentTurns
+from kvloop.router.resume import StreamLedger
 from kvloop.router.tokenizer import RouterTokenizer
 from kvloop.router.truth import actual_path, plan_outcome, report_from_usage
 from kvloop.shared.client import BrokerClient, PlacementStream, complete_request, transfer_params
@@ -199,9 +200,8 @@ class TurnRunner:
         return headers
 
     async def _post(self, engine: EngineInfo, path: str, body: dict[str, Any], span: Any = None) -> dict[str, Any]:
-        timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s)
         async with self.http.post(f"{engine.http}{path}", json=body, headers=self._headers(span),
-                                  timeout=timeout) as r:
+                                  timeout=self.engine_timeout()) as r:
             data = await r.json(content_type=None)
             if r.status >= 400:
                 raise EngineReplyError(r.status, data)
@@ -521,17 +521,35 @@ class TurnRunner:
                  computed_tokens=report.computed_tokens, prefill_engine=prepared.prefill_engine or None,
                  decode_engine=prepared.decode.engine_id, ttft_ms=round(ttft_s * 1e3, 1), error=error or None)
 
+    def retry_request(self, prepared: Prepared) -> dict[str, Any]:
+        """The decode request for a second decode engine: the prompt computed there, never the first attempt's
+        transfer params (the prefill engine frees the blocks they name once a decode has read them, and may have
+        reused them: a second read would return another request's KV without an error)."""
+        request = self.decode_request(prepared)
+        request["kv_transfer_params"] = decode_local_params(prepared.session)
+        return request
+
+    def engine_timeout(self) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=self.config.request_timeout_s, sock_read=self.config.engine_stall_s)
+
     async def decode_stream(self, prepared: Prepared) -> AsyncIterator[bytes]:
-        """The decode's SSE bytes, relayed as they come; retried on another decode engine before any byte."""
+        """The decode's SSE bytes, relayed as they come. An engine that fails, or sends nothing for
+        ``engine_stall_s``, is replaced by another decode engine: before any byte by a retry, after some by a
+        resume that relays only what the client has not had (:mod:`.resume`)."""
         request = self.decode_request(prepared)
         prepared.decode_started_ns = time.time_ns()
         engines = [prepared.decode, *prepared.decode_alternatives]
-        timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s)
+        ledger = StreamLedger()
+        resumable = int(prepared.body.get("n") or 1) == 1
         last = "no decode engine"
-        for engine in engines:
+        for attempt, engine in enumerate(engines):
+            if attempt:
+                request = self.retry_request(prepared)
+                if ledger.started:
+                    ledger.resume()
             try:
                 async with self.http.post(f"{engine.http}{self.path(prepared)}", json=request,
-                                          headers=self._headers(prepared.span), timeout=timeout) as reply:
+                                          headers=self._headers(prepared.span), timeout=self.engine_timeout()) as reply:
                     if reply.status >= 400:
                         data = await reply.json(content_type=None)
                         if reply.status < 500:
@@ -541,19 +559,31 @@ class TurnRunner:
                         continue
                     prepared.decode = engine
                     async for line in reply.content:
-                        yield line
+                        if not resumable:
+                            ledger.chunks += 1  # only that the client has had something
+                            yield line
+                        elif (relayed := ledger.relay(line)) is not None:
+                            yield relayed
+                    if ledger.diverged:
+                        self.metrics.fallbacks.labels("decode_resume_diverged").inc()
                     return
-            except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
                 last = f"{engine.engine_id}: {exc or type(exc).__name__}"
-                self.metrics.fallbacks.labels("decode_retry").inc()
-                log.warning("router.decode_failed", engine=engine.engine_id, error=last)
+                if ledger.started and not resumable:
+                    raise TurnError(502, f"the decode engine failed mid-stream ({last})") from None
+                kind = "decode_resume" if ledger.started else "decode_retry"
+                self.metrics.fallbacks.labels(kind).inc()
+                prepared.span.add_event(f"kvloop.{kind}", {"kvloop.engine": engine.engine_id, "error": last})
+                log.warning("router.decode_failed", engine=engine.engine_id, error=last, resume=ledger.started)
         raise TurnError(503, f"no decode engine could serve the request ({last})")
 
     async def decode_json(self, prepared: Prepared) -> dict[str, Any]:
         request = self.decode_request(prepared)
         prepared.decode_started_ns = time.time_ns()
         last = "no decode engine"
-        for engine in [prepared.decode, *prepared.decode_alternatives]:
+        for attempt, engine in enumerate([prepared.decode, *prepared.decode_alternatives]):
+            if attempt:
+                request = self.retry_request(prepared)
             try:
                 reply = await self._post(engine, self.path(prepared), request, prepared.span)
                 prepared.decode = engine
@@ -566,6 +596,7 @@ class TurnRunner:
             except (aiohttp.ClientError, TimeoutError) as exc:
                 last = f"{engine.engine_id}: {exc or type(exc).__name__}"
             self.metrics.fallbacks.labels("decode_retry").inc()
+            log.warning("router.decode_failed", engine=engine.engine_id, error=last)
         raise TurnError(503, f"no decode engine could serve the request ({last})")
 
 

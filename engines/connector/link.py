@@ -55,6 +55,8 @@ class EngineLinkClient:
 
     MAX_QUEUED = 4096
     BACKOFF_S = (0.05, 0.2, 0.5, 1.0, 2.0)
+    FREEZE_S = 1.0
+    """A tick this much later than due means this process did not run (SIGSTOP, a paused VM, a starved core)."""
 
     def __init__(self, socket_path: str, hello: lpb.ConnectorHello, wake: Callable[[], None],
                  *, tick_s: float = 0.5) -> None:
@@ -136,8 +138,19 @@ class EngineLinkClient:
                 self._holds.pop(rid, None)
 
     def _tick(self) -> None:
+        last = time.monotonic()
         while not self._stop.wait(self.tick_s):
             now = time.monotonic()
+            frozen, last = now - last - self.tick_s, now
+            if frozen > self.FREEZE_S:
+                # The sidecar's renewals sent meanwhile wait unread on the socket: a deadline that passed while
+                # this process was not running says nothing about the sidecar. Every hold moves on by the freeze
+                # (holding longer is always safe; freeing a block the broker may have pinned is not).
+                with self._holds_lock:
+                    for rid in self._holds:
+                        self._holds[rid] += frozen
+                log.warning("kvloop: engine link did not run for %.1fs; safety holds extended by as much", frozen)
+                continue
             with self._holds_lock:
                 expired = [rid for rid, deadline in self._holds.items() if deadline <= now]
                 for rid in expired:

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -207,6 +210,40 @@ def test_link_client_releases_on_its_own_when_the_hold_runs_out(tmp_path: Path) 
         assert not client.pending()
     finally:
         client.stop()
+
+
+FROZEN_LINK = """
+import sys, threading, time
+from kvloop.engines.connector.link import EngineLinkClient
+from kvloop.v1 import engine_link_pb2 as lpb
+
+woken = threading.Event()
+client = EngineLinkClient(sys.argv[1], lpb.ConnectorHello(engine_id="x"), woken.set, tick_s=0.05)
+client.start()
+deadline = time.monotonic() + 1.0
+client.track("req-x", deadline)
+print("tracked", flush=True)
+woken.wait(30)
+print(f"released {time.monotonic() - deadline:.2f}", flush=True)
+"""
+
+
+def test_a_frozen_engine_does_not_count_its_freeze_against_the_hold(tmp_path: Path) -> None:
+    """SIGSTOP past the hold, then SIGCONT: the sidecar's renewals of that time sit unread on the socket, so the
+    deadline moves on by the freeze instead of freeing blocks the broker may still have pinned."""
+    child = subprocess.Popen([sys.executable, "-c", FROZEN_LINK, str(tmp_path / "nobody.sock")],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "tracked"
+        child.send_signal(signal.SIGSTOP)
+        time.sleep(2.5)  # the freeze itself is what is tested: it ends 1.5 s past the hold's deadline
+        child.send_signal(signal.SIGCONT)
+        late = float(child.stdout.readline().split()[1])
+        # Counted against the hold, it is released on SIGCONT, 1.5 s after the deadline; moved on, ~2.5 s.
+        assert late >= 2.0, f"released {late:.2f}s after the deadline: the freeze counted against the hold"
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_link_client_reports_to_a_real_sidecar(tmp_path: Path, broker_address: str) -> None:
