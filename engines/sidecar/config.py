@@ -34,6 +34,9 @@ class SidecarConfig(ServiceConfig):
     lease_ttl_s: float = setting(0.0, "TTL asked for each published lease; 0 = the broker's default")
     hold_s: float = setting(DEFAULT_HOLD_S, "safety hold renewed on the engine for live leases; must exceed the "
                                    "broker's engine TTL so the broker drops a silent engine's leases first")
+    engine_unresponsive_s: float = setting(30.0, "the engine's /health unanswered this long (a frozen or hung "
+                                                 "process): no keep-alives, so the broker lets the engine expire and "
+                                                 "places nothing on it; they resume when it answers again")
     pressure_kv_usage: float = setting(0.9, "KV usage (0..1) at which, with requests waiting, the sidecar "
                                             "reports memory pressure")
     kv_events_endpoint: str = setting("", "the engine's KV cache events (vLLM's --kv-events-config endpoint, "
@@ -75,6 +78,7 @@ class SidecarConfig(ServiceConfig):
         self._require(0 < self.retention_fraction <= 1, "retention_fraction", "must be in (0, 1]")
         self._require(self.lease_ttl_s >= 0, "lease_ttl_s", "must be >= 0")
         self._require(self.hold_s > 0, "hold_s", "must be positive")
+        self._require(self.engine_unresponsive_s > 0, "engine_unresponsive_s", "must be positive")
         self._require(0 < self.pressure_kv_usage <= 1, "pressure_kv_usage", "must be in (0, 1]")
         for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
             value = getattr(self, name)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import urllib.request
+
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvloop.shared.http import metric_total, read_metrics
@@ -32,6 +34,9 @@ class SidecarMetrics:
                                      "its replay endpoint, by outcome (covered, missed)", ["outcome"], registry=r)
         self.cached_blocks = Gauge("kvloop_sidecar_cached_blocks", "blocks of the engine's prefix cache the mirror "
                                    "names", registry=r)
+        self.engine_responsive = Gauge("kvloop_sidecar_engine_responsive", "1 while the engine answers its /health "
+                                       "(0: keep-alives withheld, see engine_unresponsive_s)", registry=r)
+        self.engine_responsive.set(1)
         self.transfer_bps = Gauge("kvloop_sidecar_transfer_bytes_per_second", "Measured NIXL pull bandwidth",
                                   registry=r)
 
@@ -41,3 +46,10 @@ def scrape_engine_load(engine_url: str, timeout_s: float = 2.0) -> dict[str, flo
     samples = read_metrics(engine_url, timeout_s=timeout_s)
     return {short: metric_total(samples, name) for name, short in ENGINE_FIGURES.items()
             if any(k == name or k.startswith(name + "{") for k in samples)}
+
+
+def probe_health(engine_url: str, timeout_s: float) -> None:
+    """GET the engine's ``/health`` (blocking: run in a thread); raises OSError when it does not answer 200."""
+    with urllib.request.urlopen(f"{engine_url.rstrip('/')}/health", timeout=timeout_s) as reply:
+        if reply.status != 200:
+            raise OSError(f"/health answered {reply.status}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,7 +14,7 @@ from opentelemetry import trace
 from kvloop.engines.sidecar.books import LeaseBooks, Throughput, engine_load
 from kvloop.engines.sidecar.cache_feed import CacheFeed
 from kvloop.engines.sidecar.config import SidecarConfig
-from kvloop.engines.sidecar.metrics import SidecarMetrics, scrape_engine_load
+from kvloop.engines.sidecar.metrics import SidecarMetrics, probe_health, scrape_engine_load
 from kvloop.shared.client import BrokerClient
 from kvloop.shared.grpc_server import start_grpc_server
 from kvloop.shared.hashing import ExtraKeys, block_keys
@@ -42,6 +43,10 @@ class Sidecar(engine_link_pb2_grpc.EngineLinkServicer):
         self.books = LeaseBooks()
         self.throughput = Throughput()
         self.engine_figures: dict[str, float] = {}
+        self.engine_answered: float | None = None
+        """When the engine last answered its /health (see ``engine_unresponsive_s``); None: not yet, and until it
+        has answered once it counts as responsive (it is starting)."""
+        self._responsive = True
         self.cache_feed: CacheFeed | None = None
         self._outbox: asyncio.Queue[lpb.ConnectorCommand] | None = None
         self._tasks: list[asyncio.Task[Any]] = []
@@ -188,10 +193,34 @@ class Sidecar(engine_link_pb2_grpc.EngineLinkServicer):
         The engine's figures come from a separate sampler: a slow ``/metrics`` (seen here taking minutes on a
         loaded machine) must never delay a keep-alive, or the broker drops a healthy engine."""
         sampler = asyncio.create_task(self._sample_load_forever())
+        prober = asyncio.create_task(self._probe_engine_forever())
         try:
             await self._keepalives()
         finally:
             sampler.cancel()
+            prober.cancel()
+
+    async def _probe_engine_forever(self) -> None:
+        """Whether the engine answers at all: a frozen process keeps its connections open and never replies, and
+        a broker that keeps placing turns on it makes every one of them wait for a timeout."""
+        timeout = min(5.0, self.config.engine_unresponsive_s)
+        while True:
+            try:
+                await asyncio.wait_for(asyncio.to_thread(probe_health, self.config.engine_url, timeout), timeout + 1)
+                self.engine_answered = time.monotonic()
+            except (OSError, TimeoutError) as exc:
+                log.debug("engine.health_unanswered", error=str(exc) or type(exc).__name__)
+            await asyncio.sleep(self.keepalive_interval_s)
+
+    def engine_responsive(self) -> bool:
+        silent = 0.0 if self.engine_answered is None else time.monotonic() - self.engine_answered
+        responsive = silent < self.config.engine_unresponsive_s
+        if responsive != self._responsive:
+            self._responsive = responsive
+            self.metrics.engine_responsive.set(int(responsive))
+            log.warning("engine.responsive" if responsive else "engine.unresponsive", engine=self.config.engine_id,
+                        silent_s=round(silent, 1))
+        return responsive
 
     async def _sample_load_forever(self) -> None:
         while True:
@@ -205,6 +234,11 @@ class Sidecar(engine_link_pb2_grpc.EngineLinkServicer):
     async def _keepalives(self) -> None:
         failures = 0
         while True:
+            if not self.engine_responsive():
+                # No keep-alive: the broker lets the engine expire (its leases go, nothing is placed on it). When
+                # it answers again, the next keep-alive finds it forgotten and the sidecar registers it anew.
+                await asyncio.sleep(self.keepalive_interval_s)
+                continue
             load = self._load()
             try:
                 await self.broker.call("KeepAlive", pb.KeepAliveRequest(engine_id=self.config.engine_id, load=load))

@@ -195,6 +195,63 @@ def test_bad_sidecar_config_names_the_field(tmp_path: Path) -> None:
                                     "KVLOOP_SIDECAR_LAYOUT_FINGERPRINT": "f"})
 
 
+class FreezableEngine:
+    """An engine's /health stand-in (fake) on loopback: answers 200 until frozen, then holds every request
+    unanswered, as a SIGSTOPped engine does."""
+
+    def __init__(self) -> None:
+        import http.server
+
+        self.thawed = threading.Event()
+        self.thawed.set()
+        thawed = self.thawed
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                thawed.wait(30)
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.thawed.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+async def test_an_unresponsive_engine_is_let_expire_and_comes_back(tmp_path: Path, broker_address: str) -> None:
+    """A frozen engine keeps its sockets open and answers nothing: its sidecar withholds keep-alives, the broker
+    lets it expire (nothing more is placed on it, its leases go), and it registers again once it answers."""
+    broker = Broker(broker_address)
+    engine = FreezableEngine()
+    connector = FakeConnector(tmp_path / "s.sock")
+    try:
+        async with running_sidecar(tmp_path, broker_address, "frozen-1", engine_url=engine.url,
+                                   engine_unresponsive_s=1.0):
+            await connector.attach(hello("frozen-1"))
+            await poll(lambda: engine_status(broker, "frozen-1"), lambda s: s is not None, timeout_s=10,
+                       what="registration")
+            connector.events.put_nowait(retained("req-f", 256))
+            await poll(lambda: leases(broker, "frozen-1"), bool, timeout_s=10, what="the lease")
+            engine.thawed.clear()
+            await poll(lambda: engine_status(broker, "frozen-1"), lambda s: s is None, timeout_s=15,
+                       what="the frozen engine to expire at the broker")
+            assert not await leases(broker, "frozen-1")
+            engine.thawed.set()
+            await poll(lambda: engine_status(broker, "frozen-1"), lambda s: s is not None, timeout_s=15,
+                       what="the engine to register again")
+            await connector.close()
+    finally:
+        engine.close()
+
+
 def test_link_client_releases_on_its_own_when_the_hold_runs_out(tmp_path: Path) -> None:
     """The connector's thread with no sidecar at all: a tracked request whose safety hold passes is released,
     and the engine is woken to apply it; ``send`` never blocks."""
