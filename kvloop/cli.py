@@ -1,5 +1,5 @@
 """The ``kvloop`` command: ``broker serve|status``, ``up``, ``demo``, ``router``, ``model tiny|fingerprint``,
-``engine``, ``sidecar``, ``bench broker|engines|multiturn``."""
+``engine``, ``sidecar``, ``bench broker|engines|multiturn|chaos``."""
 
 from __future__ import annotations
 
@@ -150,6 +150,12 @@ def _bench_multiturn(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
+def _bench_chaos(args: argparse.Namespace) -> int:
+    from kvloop.benchmarks.chaos import main as bench_main
+
+    return bench_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvloop.broker.config import BrokerConfig
 
@@ -242,6 +248,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_multiturn_arguments(bench_multiturn)
     bench_multiturn.set_defaults(func=_bench_multiturn)
+    bench_chaos = bench.add_parser("chaos", help="agent sessions through the router while seeded faults hit the "
+                                                 "cluster: hangs, wrong answers, books, recovery times")
+    from kvloop.benchmarks.chaos import add_arguments as add_chaos_arguments
+
+    add_chaos_arguments(bench_chaos)
+    bench_chaos.set_defaults(func=_bench_chaos)
     return parser
 
 

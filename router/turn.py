@@ -26,7 +26,7 @@ import asyncio
 import copy
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -163,6 +163,9 @@ class TurnRunner:
         self._background: set[asyncio.Task[Any]] = set()
         self.recent = RecentTurns(config.publication_wait_s)
         self.tokenizer = RouterTokenizer(config.tokenizer) if config.tokenizer else None
+        self.before_transfer: Callable[[pb.Plan, EngineInfo], None] | None = None
+        """Called as a TRANSFER's prefill request (the one that pulls) is about to go out: ``kvloop bench chaos``
+        kills the puller or the source there, to fail a pull in flight. None in service."""
         self.broker_answered = False
         """Whether the last ``Inspect`` got an answer: without a layout, the turn's fallback is then ``no_layout``
         (the broker knows no engine of the model), else ``broker_unavailable``."""
@@ -323,6 +326,8 @@ class TurnRunner:
                 prepared.planned_pull_tokens = 0
             else:
                 params = transfer_params(plan, pin)
+                if self.before_transfer is not None:
+                    self.before_transfer(plan, prefill)
             lap("pin")
         with tracer.start_as_current_span("kvloop.prefill") as prefill_span:
             reply, used = await self._prefill(body, params, prefill, model)

@@ -34,6 +34,9 @@ class SidecarMetrics:
                                      "its replay endpoint, by outcome (covered, missed)", ["outcome"], registry=r)
         self.cached_blocks = Gauge("kvloop_sidecar_cached_blocks", "blocks of the engine's prefix cache the mirror "
                                    "names", registry=r)
+        self.freed_while_pinned = Counter("kvloop_sidecar_freed_while_pinned_total", "leases whose blocks the engine "
+                                          "freed on its own while the broker had them pinned (must stay 0)",
+                                          registry=r)
         self.engine_responsive = Gauge("kvloop_sidecar_engine_responsive", "1 while the engine answers its /health "
                                        "(0: keep-alives withheld, see engine_unresponsive_s)", registry=r)
         self.engine_responsive.set(1)

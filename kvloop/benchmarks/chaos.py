@@ -1,0 +1,485 @@
+"""``kvloop bench chaos``: concurrent agent sessions through the router while a seeded schedule of faults hits the
+cluster (:mod:`.chaos_faults`, :mod:`.chaos_cluster`), and what must hold afterwards:
+
+- every request ends, answered or with an OpenAI-style error, within the client's deadline (a request past it is a
+  hang); with two engines of each role, none should error at all;
+- every answer equals a reference engine's (float32, prefix cache off, temperature 0) token for token, or parts
+  from it at a near-tie of the reference (top two log-probabilities within ``NEAR_TIE``);
+- the books agree once the traffic settles: the blocks the broker's leases name on each decode engine are the
+  blocks the engine holds (vLLM's own count), and each sidecar holds the leases the broker lists; no engine freed
+  blocks the broker had pinned (``lease.freed_while_pinned`` in any sidecar log); after the leases' TTL, every
+  engine holds nothing and the broker lists nothing;
+- figures: requests, errors by class and by fault, TTFT p50/p99 inside fault windows and outside, recovery time per
+  fault (from the fault to the first good turn using the repaired part), and, with ``--baseline``, the same
+  workload without faults first.
+
+Everything runs on loopback, bounded in count (sessions x turns, rounds of faults) and time (``--deadline-s``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from kvloop.benchmarks.chaos_cluster import ChaosCluster, ChaosSettings
+from kvloop.benchmarks.chaos_faults import (
+    KINDS,
+    Fault,
+    FaultRecord,
+    RequestRecord,
+    first_divergence,
+    in_window,
+    percentile,
+    recovered_at,
+    schedule,
+)
+from kvloop.benchmarks.workload import AgentSpec, Conversation, agent
+from kvloop.engines.config import EngineConfig, default_work_dir
+from kvloop.engines.model import ensure_tiny_model
+from kvloop.shared.http import sse_data, sse_measured
+
+NEAR_TIE = 0.05
+"""Nats between the reference's top two choices at the first differing token: where greedy paths may part in
+float32 (the engine tests' tolerance)."""
+
+
+class Run:
+    """One phase: the cluster, the sessions, the faults, and their records."""
+
+    def __init__(self, cluster: ChaosCluster, args: argparse.Namespace, faults: list[Fault]) -> None:
+        self.cluster, self.args, self.faults = cluster, args, faults
+        self.t0 = time.monotonic()
+        self.requests: list[RequestRecord] = []
+        self.fault_records: list[FaultRecord] = []
+        self.streaming: dict[int, str] = {}
+        """In-flight streams: id(record) -> the decode engine serving it (a fault's moment inside a turn)."""
+        self.faults_done = asyncio.Event()
+
+    def now(self) -> float:
+        return round(time.monotonic() - self.t0, 3)
+
+    # Traffic.
+
+    async def request(self, http: aiohttp.ClientSession, session: str, turn: int, attempt: int, prompt: list[int],
+                      max_tokens: int) -> RequestRecord:
+        assert self.cluster.router is not None
+        rec = RequestRecord(session, turn, attempt, start=self.now(), prompt=prompt, max_tokens=max_tokens)
+        body = {"model": self.args.model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True, "return_token_ids": True}
+        ids: list[int] = []
+        try:
+            async with http.post(f"{self.cluster.router.url}/v1/completions", json=body,
+                                 headers={"x-session-id": session},
+                                 timeout=aiohttp.ClientTimeout(total=self.args.client_timeout_s)) as reply:
+                rec.path = reply.headers.get("x-kvloop-decision", "")
+                rec.reason = reply.headers.get("x-kvloop-reason", "")
+                rec.prefill_engine = reply.headers.get("x-kvloop-prefill-engine", "")
+                rec.decode_engine = reply.headers.get("x-kvloop-decode-engine", "")
+                if reply.status >= 400:
+                    rec.status, rec.error = f"http_{reply.status}", (await reply.text())[:300]
+                    return rec
+                self.streaming[id(rec)] = rec.decode_engine
+                async for line in reply.content:
+                    measured = sse_measured(line)
+                    if measured is not None:
+                        rec.path = str(measured.get("decision", rec.path))
+                    chunk = sse_data(line)
+                    if chunk is None:
+                        continue
+                    if "error" in chunk:
+                        rec.status, rec.error = "stream_error", json.dumps(chunk["error"])[:300]
+                        return rec
+                    for choice in chunk.get("choices", []):
+                        new = list(choice.get("token_ids") or [])
+                        if new and rec.ttft_s is None:
+                            rec.ttft_s = round(self.now() - rec.start, 4)
+                        ids += new
+            rec.status = "ok" if len(ids) == max_tokens else "short_answer"
+            rec.error = "" if rec.ok else f"{len(ids)} of {max_tokens} tokens"
+        except TimeoutError:
+            rec.status, rec.error = "timeout", f"no complete answer in {self.args.client_timeout_s}s"
+        except aiohttp.ClientError as exc:
+            rec.status, rec.error = "client_error", f"{type(exc).__name__}: {exc}"[:300]
+        finally:
+            self.streaming.pop(id(rec), None)
+            rec.output, rec.end = ids, self.now()
+            self.requests.append(rec)
+        return rec
+
+    async def session(self, http: aiohttp.ClientSession, conv: Conversation) -> None:
+        history = list(conv.prefix)
+        for turn, new in enumerate(conv.new_tokens):
+            prompt = history + new
+            answer = conv.answer(turn, 32)
+            for attempt in range(self.args.attempts):
+                rec = await self.request(http, conv.conversation_id, turn + 1, attempt, prompt, answer)
+                if rec.ok:
+                    history = prompt + (rec.output or [])
+                    break
+                await asyncio.sleep(1.0)  # a client's retry pause; the failure is already counted
+            else:
+                history = prompt
+            await asyncio.sleep(conv.think(turn, 0.5))
+
+    async def traffic(self, conversations: list[Conversation], extra: list[Conversation]) -> None:
+        """The sessions, ``concurrency`` at a time; then, while faults remain, more sessions from ``extra`` (a fault
+        must land inside traffic), up to the deadline."""
+        queue = list(conversations)
+        spare = list(extra)
+
+        async def worker(http: aiohttp.ClientSession) -> None:
+            while True:
+                if not queue:
+                    if self.faults_done.is_set() or not spare or self.now() > self.args.deadline_s:
+                        return
+                    queue.append(spare.pop(0))
+                await self.session(http, queue.pop(0))
+
+        async with aiohttp.ClientSession() as http:
+            await asyncio.gather(*(worker(http) for _ in range(self.args.concurrency)))
+
+    # Faults.
+
+    async def fault_loop(self, deadline_s: float) -> None:
+        try:
+            for fault in self.faults:
+                if self.now() > deadline_s:
+                    self.fault_records.append(FaultRecord(fault.kind, "", self.now(), fired=False,
+                                                          note="not fired: the run's deadline passed"))
+                    continue
+                await asyncio.sleep(fault.delay_s)
+                record = await self.inject(fault)
+                self.fault_records.append(record)
+                print(f"  fault {record.kind} on {record.target or '-'} at {record.injected:.1f}s, repaired at "
+                      f"{record.repaired:.1f}s{' (' + record.note + ')' if record.note else ''}", flush=True)
+        finally:
+            self.faults_done.set()
+
+    async def streaming_on(self, engine_id: str, timeout_s: float = 20.0) -> bool:
+        """Wait (bounded) until a stream is in flight on ``engine_id``: the fault then lands mid-answer."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if engine_id in self.streaming.values():
+                return True
+            await asyncio.sleep(0.02)
+        return False
+
+    async def on_next_transfer(self, pick: str, timeout_s: float = 90.0) -> str | None:
+        """Arm the router's hook: at the next TRANSFER's prefill, kill its prefill engine (``pick`` = "prefill") or
+        its source (``"source"``) a few milliseconds into the pull. Returns the killed engine, None if no TRANSFER
+        came in time."""
+        assert self.cluster.router is not None
+        runner = self.cluster.router.runner
+        loop = asyncio.get_running_loop()
+        chosen: asyncio.Future[str] = loop.create_future()
+
+        def hook(plan: Any, prefill: Any) -> None:
+            if chosen.done():
+                return
+            target = prefill.engine_id if pick == "prefill" else plan.source_engine_id
+            if target not in self.cluster.engines:
+                return
+            runner.before_transfer = None
+            chosen.set_result(target)
+            loop.call_later(0.005, self.cluster.signal_engine, target, signal.SIGKILL)
+
+        runner.before_transfer = hook
+        try:
+            return await asyncio.wait_for(chosen, timeout_s)
+        except TimeoutError:
+            return None
+        finally:
+            runner.before_transfer = None
+
+    async def inject(self, fault: Fault) -> FaultRecord:
+        c = self.cluster
+        decodes = c.roles("decode")
+        target = decodes[fault.target % len(decodes)]
+        note = ""
+        if fault.kind in ("decode_kill", "decode_stop"):
+            if not await self.streaming_on(target):
+                note = "no stream was in flight on it"
+            record = FaultRecord(fault.kind, target, self.now(), note=note)
+            c.signal_engine(target, signal.SIGKILL if fault.kind == "decode_kill" else signal.SIGSTOP)
+            await asyncio.sleep(fault.down_s)
+            if fault.kind == "decode_kill":
+                await c.restart_engine(target)
+            else:
+                c.signal_engine(target, signal.SIGCONT)
+                await c.wait_engine(target)
+        elif fault.kind in ("prefill_kill_mid_pull", "pull_source_kill"):
+            killed = await self.on_next_transfer("prefill" if fault.kind == "prefill_kill_mid_pull" else "source")
+            if killed is None:
+                return FaultRecord(fault.kind, "", self.now(), self.now(), fired=False, note="no TRANSFER turn came")
+            record = FaultRecord(fault.kind, killed, self.now())
+            await asyncio.sleep(fault.down_s)
+            await c.restart_engine(killed)
+        elif fault.kind == "sidecar_kill":
+            record = FaultRecord(fault.kind, target, self.now())
+            c.kill_sidecar(target)
+            await asyncio.sleep(fault.down_s)
+            await c.restart_sidecar(target)
+        elif fault.kind == "broker_leader_kill":
+            leader, _ = await c.wait_leader()
+            record = FaultRecord(fault.kind, f"broker-{leader}", self.now())
+            c.kill_broker(leader)
+            await asyncio.sleep(fault.down_s)
+            await c.start_broker(leader)
+            await asyncio.gather(*(c.wait_engine(eid) for eid in c.engines))
+        else:  # etcd_stop
+            record = FaultRecord(fault.kind, "etcd", self.now())
+            c.signal_etcd(signal.SIGSTOP)
+            await asyncio.sleep(fault.down_s)
+            c.signal_etcd(signal.SIGCONT)
+            await asyncio.gather(*(c.wait_engine(eid) for eid in c.engines))
+        record.repaired = self.now()
+        return record
+
+
+async def check_books(cluster: ChaosCluster, lease_ttl_s: float) -> dict[str, Any]:
+    """Once settled, the broker's leases against the engines' held blocks and the sidecars' books; then, after
+    the leases' TTL, every engine back to holding nothing and the broker to listing nothing."""
+    await asyncio.gather(*(cluster.wait_engine(eid) for eid in cluster.engines))
+    decodes = cluster.roles("decode")
+
+    async def compare() -> dict[str, Any]:
+        _, reply = await cluster.wait_leader()
+        per: dict[str, Any] = {}
+        for eid in decodes:
+            leases = [lease for lease in reply.leases if lease.engine_id == eid]
+            held, total = await asyncio.to_thread(cluster.engine_blocks, eid)
+            sidecar = await asyncio.to_thread(cluster.sidecar_metrics, eid)
+            per[eid] = {"broker_leases": len(leases), "broker_blocks": len({b for le in leases for b in le.block_ids}),
+                        "engine_blocks": held, "engine_total_blocks": total,
+                        "sidecar_leases": int(sidecar.get("kvloop_sidecar_leases", -1))}
+        agree = all(v["broker_blocks"] == v["engine_blocks"] and v["broker_leases"] == v["sidecar_leases"]
+                    for v in per.values())
+        return {"agree": agree, "engines": per, "leases": len(reply.leases)}
+
+    settled = await compare()
+    for _ in range(20):  # a publication or a release may still be on its way: a few looks, a second apart
+        if settled["agree"]:
+            break
+        await asyncio.sleep(1.0)
+        settled = await compare()
+    deadline = time.monotonic() + lease_ttl_s + 60
+    empty = await compare()
+    while time.monotonic() < deadline:
+        held = {eid: (await asyncio.to_thread(cluster.engine_blocks, eid))[0] for eid in cluster.engines}
+        if empty["leases"] == 0 and not any(held.values()):
+            break
+        await asyncio.sleep(2.0)
+        empty = await compare()
+    held = {eid: (await asyncio.to_thread(cluster.engine_blocks, eid))[0] for eid in cluster.engines}
+    return {"settled": settled, "after_ttl": {"broker_leases": empty["leases"], "engine_blocks": held,
+                                              "baseline": empty["leases"] == 0 and not any(held.values())}}
+
+
+async def check_answers(model: Path, work: Path, requests: list[RequestRecord]) -> dict[str, Any]:
+    """Every good answer against a reference engine's (float32, prefix cache off, temperature 0)."""
+    from kvloop.engine_set import start_engines
+
+    config = EngineConfig(role="both", model=model, engine_id="reference", work_dir=work / "reference",
+                          connector="none", dtype="float32", max_model_len=8192, log_level="warning",
+                          extra_vllm_args="--no-enable-prefix-caching")
+    engines = await asyncio.to_thread(start_engines, [config])
+    (engine,) = list(engines)
+    wrong: list[dict[str, Any]] = []
+    near_ties = 0
+    try:
+        async with aiohttp.ClientSession() as http:
+            for r in (r for r in requests if r.ok):
+                body = {"model": model.name, "prompt": r.prompt, "max_tokens": r.max_tokens, "temperature": 0,
+                        "ignore_eos": True, "logprobs": 2, "return_token_ids": True}
+                async with http.post(f"{engine.url}/v1/completions", json=body) as reply:
+                    choice = (await reply.json())["choices"][0]
+                want = list(choice.get("token_ids") or [])
+                at = first_divergence(r.output or [], want)
+                if at is None:
+                    continue
+                tops = sorted((choice["logprobs"]["top_logprobs"][at] or {}).values(), reverse=True) \
+                    if at < len(want) else []
+                if len(tops) >= 2 and tops[0] - tops[1] < NEAR_TIE:
+                    near_ties += 1
+                    continue
+                wrong.append({"session": r.session, "turn": r.turn, "position": at, "path": r.path,
+                              "reason": r.reason, "prefill": r.prefill_engine, "decode": r.decode_engine})
+    finally:
+        await asyncio.to_thread(engines.stop)
+    checked = sum(1 for r in requests if r.ok)
+    return {"checked": checked, "equal_or_near_tie": checked - len(wrong), "near_ties": near_ties, "wrong": wrong}
+
+
+def figures(run: Run) -> dict[str, Any]:
+    reqs, faults = run.requests, run.fault_records
+    for f in faults:
+        if f.fired:
+            f.recovered = recovered_at(f, reqs)
+    errors: dict[str, int] = {}
+    by_fault: dict[str, int] = {}
+    for r in reqs:
+        if not r.ok:
+            errors[r.status] = errors.get(r.status, 0) + 1
+            hit = [f.kind for f in faults if f.fired and r.start <= f.repaired and r.end >= f.injected]
+            for kind in hit or ["none"]:
+                by_fault[kind] = by_fault.get(kind, 0) + 1
+    inside = [r.ttft_s * 1e3 for r in reqs if r.ok and r.ttft_s is not None and in_window(r, faults)]
+    outside = [r.ttft_s * 1e3 for r in reqs if r.ok and r.ttft_s is not None and not in_window(r, faults)]
+    recovery: dict[str, list[float]] = {}
+    for f in faults:
+        if f.fired and f.recovery_s is not None:
+            recovery.setdefault(f.kind, []).append(f.recovery_s)
+    paths: dict[str, int] = {}
+    for r in reqs:
+        if r.ok:
+            paths[r.path] = paths.get(r.path, 0) + 1
+    return {
+        "requests": len(reqs), "ok": sum(r.ok for r in reqs), "errors": errors, "errors_by_fault": by_fault,
+        "hangs": errors.get("timeout", 0), "paths": paths,
+        "ttft_ms": {name: {"n": len(v), "p50": percentile(v, 50), "p99": percentile(v, 99)}
+                    for name, v in (("in_fault_windows", inside), ("outside", outside))},
+        "recovery_s": {k: {"n": len(v), "max": max(v), "median": percentile(v, 50)} for k, v in recovery.items()},
+        "faults": [asdict(f) | {"recovery_s": f.recovery_s} for f in faults],
+        "faults_fired": sorted({f.kind for f in faults if f.fired}),
+        "faults_not_fired": [f"{f.kind}: {f.note}" for f in faults if not f.fired],
+        "wall_s": run.now(),
+    }
+
+
+async def run_phase(name: str, model: Path, work: Path, args: argparse.Namespace, settings: ChaosSettings,
+                    conversations: list[Conversation], extra: list[Conversation], faults: list[Fault]
+                    ) -> tuple[dict[str, Any], list[RequestRecord]]:
+    print(f"== {name}: starting the cluster (etcd, 2 brokers, {settings.prefill} prefill and {settings.decode} "
+          f"decode engines, router)", flush=True)
+    cluster = await ChaosCluster.start(model, work / name, settings)
+    try:
+        rss_before = cluster.rss_bytes()
+        run = Run(cluster, args, faults)
+        print(f"== {name}: {len(conversations)} sessions, {len(faults)} faults", flush=True)
+        fault_task = asyncio.create_task(run.fault_loop(args.deadline_s))
+        if not faults:
+            run.faults_done.set()
+        await run.traffic(conversations, extra)
+        await fault_task
+        out = figures(run)
+        print(f"== {name}: {out['requests']} requests, {out['ok']} answered, errors {out['errors'] or 'none'}; "
+              "checking the books", flush=True)
+        out["books"] = await check_books(cluster, settings.lease_ttl_s)
+        out["freed_while_pinned"] = cluster.log_lines("lease.freed_while_pinned")
+        out["hold_lapses"] = len(cluster.log_lines("safety hold ran out"))
+        out["broker_rss_bytes"] = {"before": rss_before, "after": cluster.rss_bytes()}
+        out["cluster"] = cluster.describe()
+        return out, run.requests
+    finally:
+        await cluster.stop()
+
+
+def verdict(phase: dict[str, Any], answers: dict[str, Any]) -> list[str]:
+    """What failed, in words; empty when the phase passed every check."""
+    problems = []
+    if phase["hangs"]:
+        problems.append(f"{phase['hangs']} request(s) hung past the client's deadline")
+    if phase["errors"]:
+        problems.append(f"errors with an engine of each role alive: {phase['errors']}")
+    if answers["wrong"]:
+        problems.append(f"{len(answers['wrong'])} answer(s) differ from the reference: {answers['wrong'][:3]}")
+    if not phase["books"]["settled"]["agree"]:
+        problems.append(f"the books disagree: {phase['books']['settled']}")
+    if not phase["books"]["after_ttl"]["baseline"]:
+        problems.append(f"not back to baseline after the leases' TTL: {phase['books']['after_ttl']}")
+    if phase["freed_while_pinned"]:
+        problems.append(f"blocks freed while pinned: {phase['freed_while_pinned'][:3]}")
+    return problems
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    model = await asyncio.to_thread(ensure_tiny_model, args.model)
+    args.model_name = model.name
+    work = (args.work_dir or default_work_dir() / "bench-chaos").absolute()
+    settings = ChaosSettings(prefill=args.prefill, decode=args.decode)
+    spec = AgentSpec(sessions=args.sessions, turns_min=args.turns, turns_max=args.turns, system_tokens=500,
+                     tool_median=120, tool_max=600, answer_min=16, answer_max=64, think_min_s=0.1, think_max_s=1.0,
+                     seed=args.seed)
+    extra = agent(AgentSpec(**{**asdict(spec), "seed": args.seed + 7919, "sessions": 4 * args.sessions}))
+    faults = schedule(args.seed, args.rounds, hold_s=settings.hold_s, unresponsive_s=settings.engine_unresponsive_s,
+                      kinds=args.faults.split(","))
+    result: dict[str, Any] = {"workload": asdict(spec) | {"concurrency": args.concurrency}, "seed": args.seed}
+    requests: list[RequestRecord] = []
+    if args.baseline:
+        result["baseline"], reqs = await run_phase("baseline", model, work, args, settings, agent(spec), extra, [])
+        requests += reqs
+    result["chaos"], reqs = await run_phase("chaos", model, work, args, settings, agent(spec), extra, faults)
+    requests += reqs
+    print(f"== checking {sum(r.ok for r in requests)} answers against a reference engine", flush=True)
+    result["answers"] = await check_answers(model, work, requests)
+    result["problems"] = {name: verdict(result[name], result["answers"]) for name in ("baseline", "chaos")
+                          if name in result}
+    return result
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", type=Path, default=None, help="model directory (default: the tiny model)")
+    parser.add_argument("--sessions", type=int, default=16, help="agent sessions (at most 64)")
+    parser.add_argument("--turns", type=int, default=12, help="turns per session (at most 16)")
+    parser.add_argument("--concurrency", type=int, default=4, help="sessions in flight at once")
+    parser.add_argument("--rounds", type=int, default=2, help="every fault kind this many times")
+    parser.add_argument("--faults", default=",".join(KINDS), help=f"comma-separated kinds (default all: {KINDS})")
+    parser.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
+                        help="first the same workload without faults, side by side")
+    parser.add_argument("--prefill", type=int, default=2)
+    parser.add_argument("--decode", type=int, default=2)
+    parser.add_argument("--attempts", type=int, default=3, help="tries per turn before a session moves on")
+    parser.add_argument("--client-timeout-s", type=float, default=180.0, help="a request past this is a hang")
+    parser.add_argument("--deadline-s", type=float, default=1800.0, help="no fault or extra session after this")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--work-dir", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=None, help="write the figures here (JSON)")
+
+
+def validate(args: argparse.Namespace) -> str:
+    """The first bad argument, named; "" when all are good."""
+    if not 1 <= args.sessions <= 64:
+        return "--sessions: must be within 1..64"
+    if not 1 <= args.turns <= 16:
+        return "--turns: must be within 1..16"
+    if not 1 <= args.concurrency <= args.sessions:
+        return "--concurrency: must be within 1..--sessions"
+    if not 0 <= args.rounds <= 8:
+        return "--rounds: must be within 0..8"
+    if args.prefill < 2 or args.decode < 2:
+        return "--prefill/--decode: at least 2 each (a fault must leave one of each role alive)"
+    unknown = set(args.faults.split(",")) - set(KINDS)
+    if unknown:
+        return f"--faults: unknown {sorted(unknown)}; choose from {list(KINDS)}"
+    if args.attempts < 1 or args.client_timeout_s <= 0 or args.deadline_s <= 0:
+        return "--attempts, --client-timeout-s, --deadline-s: must be positive"
+    return ""
+
+
+def main(args: argparse.Namespace) -> int:
+    problem = validate(args)
+    if problem:
+        print(f"kvloop bench chaos: {problem}", file=sys.stderr)
+        return 2
+    result = asyncio.run(bench(args))
+    text = json.dumps(result, indent=1, default=str)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+        print(f"wrote {args.out}")
+    summary: dict[str, Any] = {k: result[k] for k in ("problems", "answers") if k in result}
+    for name in ("baseline", "chaos"):
+        if name in result:
+            summary[name] = {k: result[name][k] for k in ("requests", "ok", "errors", "hangs", "ttft_ms", "recovery_s",
+                                                          "faults_fired", "faults_not_fired", "wall_s", "books")}
+    print(json.dumps(summary, indent=1, default=str))
+    return 1 if any(result["problems"].values()) else 0

@@ -1,0 +1,51 @@
+"""kvloop bench chaos's pure pieces: the seeded schedule, recovery times, fault windows, divergence."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvloop.benchmarks.chaos_faults import (
+    KINDS,
+    FaultRecord,
+    RequestRecord,
+    first_divergence,
+    in_window,
+    recovered_at,
+    schedule,
+)
+
+
+def test_the_schedule_is_seeded_and_fires_every_kind_each_round() -> None:
+    a = schedule(3, 2, hold_s=8.0, unresponsive_s=5.0)
+    assert a == schedule(3, 2, hold_s=8.0, unresponsive_s=5.0) != schedule(4, 2, hold_s=8.0, unresponsive_s=5.0)
+    assert sorted(f.kind for f in a[: len(KINDS)]) == sorted(KINDS) == sorted(f.kind for f in a[len(KINDS):])
+    stops = [f for f in a if f.kind == "decode_stop"]
+    assert all(f.down_s > 8.0 for f in stops)  # a SIGSTOP outlasts the safety hold and the sidecar's patience
+    assert all(1.0 <= f.delay_s <= 4.0 for f in a)
+    with pytest.raises(ValueError, match="unknown"):
+        schedule(0, 1, hold_s=1, unresponsive_s=1, kinds=["decode_kill", "meteor"])
+
+
+def req(start: float, end: float, *, ok: bool = True, decode: str = "decode-2", reason: str = "transfer_cheaper"
+        ) -> RequestRecord:
+    return RequestRecord("s", 1, 0, start=start, end=end, status="ok" if ok else "http_503", decode_engine=decode,
+                         prefill_engine="prefill-0", reason=reason)
+
+
+def test_recovery_is_the_first_good_turn_on_the_repaired_part_after_its_repair() -> None:
+    fault = FaultRecord("decode_kill", "decode-3", injected=10.0, repaired=30.0)
+    turns = [req(31, 32, decode="decode-2"), req(29, 33, decode="decode-3"), req(31, 35, decode="decode-3", ok=False),
+             req(32, 36, decode="decode-3"), req(33, 40, decode="decode-3")]
+    assert recovered_at(fault, turns) == 36  # started before the repair or failed: not a recovery
+    broker = FaultRecord("broker_leader_kill", "broker-a", injected=5.0, repaired=8.0)
+    assert recovered_at(broker, [req(9, 10, reason="broker_unavailable"), req(9, 12)]) == 12
+    assert recovered_at(FaultRecord("decode_kill", "decode-2", 1.0, 2.0), []) is None
+
+
+def test_fault_windows_and_divergence() -> None:
+    faults = [FaultRecord("etcd_stop", "etcd", injected=10.0, repaired=14.0),
+              FaultRecord("decode_kill", "x", injected=50.0, repaired=60.0, fired=False)]
+    assert in_window(req(9, 10.5), faults) and in_window(req(13, 20), faults)
+    assert not in_window(req(1, 9.9), faults) and not in_window(req(55, 58), faults)  # not fired: no window
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 9, 3], [1, 2, 3]) == 1 and first_divergence([1, 2], [1, 2, 3]) == 2
