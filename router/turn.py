@@ -38,6 +38,7 @@ from kvloop.router.config import RouterConfig
 from kvloop.router.directory import Directory, EngineInfo
 from kvloop.router.metrics import RouterMetrics
 from kvloop.router.recent import RecentTurns
+from kvloop.router.records import RecordWriter, turn_record
 from kvloop.router.tokenizer import RouterTokenizer
 from kvloop.router.truth import actual_path, plan_outcome, report_from_usage
 from kvloop.shared.client import BrokerClient, PlacementStream, complete_request, transfer_params
@@ -162,6 +163,7 @@ class TurnRunner:
         self._background: set[asyncio.Task[Any]] = set()
         self.recent = RecentTurns(config.publication_wait_s)
         self.tokenizer = RouterTokenizer(config.tokenizer) if config.tokenizer else None
+        self.records = RecordWriter(config.records_path) if config.records_path else None
         self.broker_answered = False
         """Whether the last ``Inspect`` got an answer: without a layout, the turn's fallback is then ``no_layout``
         (the broker knows no engine of the model), else ``broker_unavailable``."""
@@ -182,6 +184,8 @@ class TurnRunner:
             await asyncio.sleep(self.config.refresh_s)
 
     async def close(self) -> None:
+        if self.records is not None:
+            self.records.close()
         for task in list(self._background):
             task.cancel()
         if self.placements is not None:
@@ -505,6 +509,9 @@ class TurnRunner:
         else:
             self.recent.answered(prepared.prompt_keys, time.monotonic())
         span.end()
+        if self.records is not None:
+            self.records.write(turn_record(prepared, now=time.time(), elapsed_s=time.perf_counter() - prepared.started,
+                                           output_tokens=output_tokens, ttft_s=ttft_s, error=error))
         m = self.metrics
         m.ttft.labels(path).observe(ttft_s)
         m.decisions.labels(path, prepared.reason).inc()
