@@ -1,5 +1,5 @@
-"""The ``kvloop`` command: ``broker serve|status``, ``up``, ``demo``, ``router``, ``model tiny|fingerprint``,
-``engine``, ``sidecar``, ``bench broker|engines|multiturn``."""
+"""The ``kvloop`` command: ``broker serve|status``, ``up``, ``demo``, ``analyze``, ``router``,
+``model tiny|fingerprint``, ``engine``, ``sidecar``, ``bench broker|engines|multiturn``."""
 
 from __future__ import annotations
 
@@ -97,6 +97,12 @@ def _bench_broker(args: argparse.Namespace) -> int:
     from kvloop.benchmarks.broker_bench import main as bench_main
 
     return bench_main(args)
+
+
+def _analyze(args: argparse.Namespace) -> int:
+    from kvloop.analyze.main import main as analyze_main
+
+    return analyze_main(args)
 
 
 def _router(args: argparse.Namespace) -> int:
@@ -202,6 +208,13 @@ def build_parser() -> argparse.ArgumentParser:
                              help="also write `layout_fingerprint: ...` and `served_model: ...` here, a YAML file "
                                   "for the sidecar's --config")
     fingerprint.set_defaults(func=_model_fingerprint)
+
+    from kvloop.analyze.main import add_arguments as add_analyze_arguments
+
+    analyze = sub.add_parser("analyze", help="will the return path pay on this traffic? prefix shares, retention "
+                                             "replayed through the broker's core, bytes, predicted TTFT, a verdict")
+    add_analyze_arguments(analyze)
+    analyze.set_defaults(func=_analyze)
 
     from kvloop.router.config import RouterConfig
 
