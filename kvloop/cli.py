@@ -1,5 +1,5 @@
 """The ``kvloop`` command: ``broker serve|status``, ``up``, ``demo``, ``analyze``, ``router``,
-``model tiny|fingerprint``, ``engine``, ``sidecar``, ``bench broker|engines|multiturn``."""
+``model tiny|fingerprint``, ``engine``, ``sidecar``, ``bench broker|broker-scale|engines|multiturn``."""
 
 from __future__ import annotations
 
@@ -103,6 +103,12 @@ def _analyze(args: argparse.Namespace) -> int:
     from kvloop.analyze.main import main as analyze_main
 
     return analyze_main(args)
+
+
+def _bench_broker_scale(args: argparse.Namespace) -> int:
+    from kvloop.benchmarks.broker_scale import main as bench_main
+
+    return bench_main(args)
 
 
 def _router(args: argparse.Namespace) -> int:
@@ -243,6 +249,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_arguments(bench_broker)
     bench_broker.set_defaults(func=_bench_broker)
+    bench_scale = bench.add_parser("broker-scale", help="1,000 engines and 1,000,000 retained blocks through the "
+                                                        "real core and gRPC service: placement, memory, store writes")
+    from kvloop.benchmarks.broker_scale import add_arguments as add_scale_arguments
+
+    add_scale_arguments(bench_scale)
+    bench_scale.set_defaults(func=_bench_broker_scale)
     bench_engines = bench.add_parser("engines", help="return path on/off on one growing session, and idle CPU "
                                                      "of engines before/after kvloop's fix (real vLLM engines)")
     from kvloop.benchmarks.engine_bench import add_arguments as add_engines_bench_arguments
