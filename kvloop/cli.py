@@ -1,5 +1,5 @@
-"""The ``kvloop`` command: ``broker serve|status``, ``up``, ``demo``, ``router``, ``model tiny|fingerprint``,
-``engine``, ``sidecar``, ``bench broker|engines|multiturn|chaos``."""
+"""The ``kvloop`` command: ``broker serve|status``, ``up``, ``demo``, ``analyze``, ``router``,
+``model tiny|fingerprint``, ``engine``, ``sidecar``, ``bench broker|broker-scale|engines|multiturn|chaos``."""
 
 from __future__ import annotations
 
@@ -95,6 +95,18 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _bench_broker(args: argparse.Namespace) -> int:
     from kvloop.benchmarks.broker_bench import main as bench_main
+
+    return bench_main(args)
+
+
+def _analyze(args: argparse.Namespace) -> int:
+    from kvloop.analyze.main import main as analyze_main
+
+    return analyze_main(args)
+
+
+def _bench_broker_scale(args: argparse.Namespace) -> int:
+    from kvloop.benchmarks.broker_scale import main as bench_main
 
     return bench_main(args)
 
@@ -209,6 +221,13 @@ def build_parser() -> argparse.ArgumentParser:
                                   "for the sidecar's --config")
     fingerprint.set_defaults(func=_model_fingerprint)
 
+    from kvloop.analyze.main import add_arguments as add_analyze_arguments
+
+    analyze = sub.add_parser("analyze", help="will the return path pay on this traffic? prefix shares, retention "
+                                             "replayed through the broker's core, bytes, predicted TTFT, a verdict")
+    add_analyze_arguments(analyze)
+    analyze.set_defaults(func=_analyze)
+
     from kvloop.router.config import RouterConfig
 
     router = sub.add_parser("router", help="run the KV-aware OpenAI-compatible router")
@@ -236,6 +255,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_arguments(bench_broker)
     bench_broker.set_defaults(func=_bench_broker)
+    bench_scale = bench.add_parser("broker-scale", help="1,000 engines and 1,000,000 retained blocks through the "
+                                                        "real core and gRPC service: placement, memory, store writes")
+    from kvloop.benchmarks.broker_scale import add_arguments as add_scale_arguments
+
+    add_scale_arguments(bench_scale)
+    bench_scale.set_defaults(func=_bench_broker_scale)
     bench_engines = bench.add_parser("engines", help="return path on/off on one growing session, and idle CPU "
                                                      "of engines before/after kvloop's fix (real vLLM engines)")
     from kvloop.benchmarks.engine_bench import add_arguments as add_engines_bench_arguments

@@ -37,6 +37,9 @@ class RouterConfig(ServiceConfig):
     tokenizer: str = setting("", "the served model's directory or hub name: tokenize in the router with its own "
                                  "tokenizer and chat template (one engine round trip less per turn); empty = "
                                  "ask an engine's /tokenize")
+    records_path: Path | None = setting(None, "append one JSON line per finished turn here, for kvloop analyze "
+                                              "(lengths, block-key digests, path, tokens, TTFT; no text or token "
+                                              "ids); unset = no records")
     refresh_s: float = setting(2.0, "how often the engine list is refreshed from the broker")
     port_file: str = setting("", "write the bound HTTP port here once serving (for launchers)")
     console_spans: bool = setting(False, "print OpenTelemetry spans to stderr (OTLP uses OTEL_* variables)")

@@ -38,6 +38,7 @@ from kvloop.router.config import RouterConfig
 from kvloop.router.directory import Directory, EngineInfo
 from kvloop.router.metrics import RouterMetrics
 from kvloop.router.recent import RecentTurns
+from kvloop.router.records import RecordWriter, turn_record
 from kvloop.router.resume import StreamLedger
 from kvloop.router.tokenizer import RouterTokenizer
 from kvloop.router.truth import actual_path, plan_outcome, report_from_usage
@@ -166,6 +167,7 @@ class TurnRunner:
         self.before_transfer: Callable[[pb.Plan, EngineInfo], None] | None = None
         """Called as a TRANSFER's prefill request (the one that pulls) is about to go out: ``kvloop bench chaos``
         kills the puller or the source there, to fail a pull in flight. None in service."""
+        self.records = RecordWriter(config.records_path) if config.records_path else None
         self.broker_answered = False
         """Whether the last ``Inspect`` got an answer: without a layout, the turn's fallback is then ``no_layout``
         (the broker knows no engine of the model), else ``broker_unavailable``."""
@@ -186,6 +188,8 @@ class TurnRunner:
             await asyncio.sleep(self.config.refresh_s)
 
     async def close(self) -> None:
+        if self.records is not None:
+            self.records.close()
         for task in list(self._background):
             task.cancel()
         if self.placements is not None:
@@ -510,6 +514,9 @@ class TurnRunner:
         else:
             self.recent.answered(prepared.prompt_keys, time.monotonic())
         span.end()
+        if self.records is not None:
+            self.records.write(turn_record(prepared, now=time.time(), elapsed_s=time.perf_counter() - prepared.started,
+                                           output_tokens=output_tokens, ttft_s=ttft_s, error=error))
         m = self.metrics
         m.ttft.labels(path).observe(ttft_s)
         m.decisions.labels(path, prepared.reason).inc()

@@ -153,8 +153,9 @@ UPSTREAM_EXTRA = {"kvloop_retain": False, "bidirectional_kv_xfer": True, "kv_lea
 """upstream: the same, with vLLM's own decode-to-prefill mode on (its decode holds blocks for the next turn)."""
 
 
-async def start_config(name: str, model: Path, work: Path, size: Sizing, timeout_s: float
-                       ) -> tuple[EngineSet, LocalCluster | None]:
+async def start_config(name: str, model: Path, work: Path, size: Sizing, timeout_s: float,
+                       records: Path | None = None) -> tuple[EngineSet, LocalCluster | None]:
+    """``records``: the kvloop router's per-turn records file (``kvloop analyze``)."""
     def pd(connector: str, broker: str, extra: dict[str, Any]) -> list[EngineConfig]:
         prefills = [engine_config(model, work, "prefill", i, connector=connector, broker=broker, size=size,
                                   blocks=size.prefill_blocks, extra=extra) for i in range(2)]
@@ -170,7 +171,9 @@ async def start_config(name: str, model: Path, work: Path, size: Sizing, timeout
     if name.startswith("kvloop"):
         # kvloop_pd: the same cluster, its router asking for strict P/D (no DECODE_LOCAL): the decode engine's
         # inter-token latency without tails computed on it, and what DECODE_LOCAL adds to TTFT.
-        router = {"request_timeout_s": timeout_s, "decode_local": name != "kvloop_pd"}
+        router: dict[str, Any] = {"request_timeout_s": timeout_s, "decode_local": name != "kvloop_pd"}
+        if records is not None:
+            router["records_path"] = str(records)
         cluster = await LocalCluster.start(lambda broker: pd("kvloop", broker, {}), work, separate_broker=True,
                                            broker={"engine_ttl_s": 10.0}, router=router)
         return cluster.engines, cluster
@@ -248,7 +251,9 @@ def engine_snapshot(urls: list[str], token_urls: list[str]) -> dict[str, float]:
 
 async def run_config(name: str, repeat: int, model: Path, work: Path, conversations: list[Conversation],
                      size: Sizing, args: argparse.Namespace) -> dict[str, Any]:
-    engines, cluster = await start_config(name, model, work / f"{name}-{repeat}", size, args.timeout_s)
+    records_path = args.router_records / f"{name}-{repeat}.jsonl" if args.router_records else None
+    engines, cluster = await start_config(name, model, work / f"{name}-{repeat}", size, args.timeout_s,
+                                          records_path)
     try:
         urls = [e.url for e in engines]
         serving = [e.url for e in engines if e.plan.config.role != "decode"]
@@ -578,6 +583,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout-s", type=float, default=300.0, help="per request; past it the turn is an error")
     parser.add_argument("--work-dir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=None, help="write the JSON figures here (and PNGs beside it)")
+    parser.add_argument("--router-records", type=Path, default=None,
+                        help="folder: each kvloop configuration's router writes its per-turn records here as "
+                             "CONFIG-REPEAT.jsonl (for kvloop analyze)")
     parser.add_argument("--plot", type=Path, default=None, help="PNG of TTFT against turn (default: beside --out)")
 
 

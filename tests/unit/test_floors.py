@@ -18,7 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("broker", "engines", "router")
-TOP = ("kvloop.cli", "kvloop.cluster", "kvloop.demo", "kvloop.engine_set", "kvloop.benchmarks")
+TOP = ("kvloop.cli", "kvloop.cluster", "kvloop.demo", "kvloop.engine_set", "kvloop.benchmarks", "kvloop.analyze")
 CORE_MAY_IMPORT = ("kvloop.broker.core", "kvloop.shared.errors", "kvloop.shared.hashing")
 LAUNCHER = "kvloop.engines.launcher"
 

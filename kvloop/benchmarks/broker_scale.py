@@ -1,0 +1,291 @@
+"""``kvloop bench broker-scale``: the broker at fleet scale, in this process, through the real core, runtime and
+gRPC service (loopback) on a store that counts its writes.
+
+For each size (the largest is ``--engines`` engines and ``--blocks`` retained blocks; each smaller one halves
+both, ``--steps`` sizes in all) it registers the engines (one in eight prefill, the rest decode), fills the decode
+engines with leases of ``--blocks-per-lease`` blocks through the core (the fill is set-up, not measured), then
+plays ``--turns`` turns over gRPC with ``--concurrency`` clients, each turn the router's and a decode engine's
+calls: ``Place`` (strict P/D, pinned, so the plan is a TRANSFER of a session's lease), ``CompleteTransfer``, and
+``PublishLease`` of the session grown by one block (which supersedes the old lease). It reports:
+
+- placement p50/p99 as a client sees it over gRPC, and of the core's ``place`` alone;
+- broker memory per retained block: the process's RSS growth over the fill, divided by the blocks;
+- store writes per turn: the records the runtime hands the store (puts and deletes) and the transactions an etcd
+  store would run for them (100 operations each, as ``broker/store/etcd.py`` splits them); and the records one
+  keep-alive round of every engine writes (each ``KeepAlive`` rewrites its engine's record);
+- how each figure grows from one size to the next (the engines and blocks double).
+
+No etcd is started: the counting store stands in for it, as the runtime writes to any store through the same
+``Store.apply``. Keys are random, not token hashes: the broker never sees tokens, only keys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import itertools
+import json
+import os
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvloop.analyze.stats import quantile
+from kvloop.broker.core import Changes, Lease, PlaceInput
+from kvloop.broker.store.base import Snapshot
+
+BLOCK_SIZE = 16
+FINGERPRINT = "scale-bench"
+ETCD_OPS_PER_TRANSACTION = 100
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engines", type=int, default=1000, help="engines at the largest size")
+    parser.add_argument("--blocks", type=int, default=1_000_000, help="retained blocks at the largest size")
+    parser.add_argument("--steps", type=int, default=4, help="sizes, each half the next (default %(default)s: "
+                        "1/8, 1/4, 1/2 and all of --engines and --blocks)")
+    parser.add_argument("--blocks-per-lease", type=int, default=128)
+    parser.add_argument("--turns", type=int, default=500, help="measured turns per size")
+    parser.add_argument("--concurrency", type=int, default=1, help="concurrent gRPC clients (default 1: the clients "
+                        "share this process's event loop with the server, so more measure queueing behind each "
+                        "other; more also let the runtime's group commit merge writes)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
+
+
+@dataclass
+class CountingStore:
+    """A durable store that keeps nothing and counts what it is asked to write."""
+
+    kind: str = "counting"
+    durable: bool = True
+    applies: int = 0
+    puts: int = 0
+    deletes: int = 0
+    transactions: int = 0
+
+    async def load(self) -> Snapshot:
+        return Snapshot()
+
+    async def apply(self, changes: Changes, hold_until: Callable[[Lease], float], now: float) -> None:
+        ops = 0
+        for records in (changes.engines, changes.leases, changes.pins):
+            for record in records.values():
+                self.puts += record is not None
+                self.deletes += record is None
+                ops += 1
+        self.applies += 1
+        self.transactions += -(-ops // ETCD_OPS_PER_TRANSACTION)
+
+    async def close(self) -> None:
+        return None
+
+    def snapshot(self) -> tuple[int, int, int]:
+        return self.puts, self.deletes, self.transactions
+
+
+def _rss() -> int:
+    gc.collect()
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclass
+class SizeResult:
+    engines: int
+    blocks: int
+    fill_s: float = 0.0
+    bytes_per_block: float = 0.0
+    place_ms: dict[str, float] = field(default_factory=dict)
+    core_place_ms: dict[str, float] = field(default_factory=dict)
+    turn_ms: dict[str, float] = field(default_factory=dict)
+    writes_per_turn: dict[str, float] = field(default_factory=dict)
+    keepalive_writes_per_engine: float = 0.0
+    decisions: dict[str, int] = field(default_factory=dict)
+    errors: int = 0
+
+
+async def run_size(engines: int, blocks: int, args: argparse.Namespace) -> SizeResult:
+    import grpc
+
+    from kvloop.broker.access import Access
+    from kvloop.broker.config import BrokerConfig
+    from kvloop.broker.core import Addresses, EngineInfo, Role
+    from kvloop.broker.metrics import BrokerMetrics
+    from kvloop.broker.runtime import BrokerRuntime
+    from kvloop.broker.service import BrokerService
+    from kvloop.broker.store import SoloElection
+    from kvloop.v1 import broker_pb2 as pb
+    from kvloop.v1 import broker_pb2_grpc
+
+    rng = random.Random(args.seed)
+    result = SizeResult(engines, blocks)
+    config = BrokerConfig(engine_ttl_s=86400.0, log_level="warning")
+    store = CountingStore()
+    runtime = BrokerRuntime(config, store, SoloElection("127.0.0.1:0"), BrokerMetrics())
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", config.max_message_bytes)])
+    broker_pb2_grpc.add_KVBrokerServicer_to_server(BrokerService(runtime, Access(config)), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    await runtime.start()
+    await asyncio.wait_for(runtime.leader_changed.wait(), 10)
+    state = runtime.require_state()
+    n_prefill = max(1, engines // 8)
+    decodes = [f"d{i}" for i in range(engines - n_prefill)]
+    budget = min(state.limits.max_retention_budget_blocks, 4 * -(-blocks // len(decodes)) + 4096)
+    now = time.time()
+    for i in range(engines):
+        eid, role = (f"p{i}", Role.PREFILL) if i < n_prefill else (decodes[i - n_prefill], Role.DECODE)
+        state.register(EngineInfo(eid, role, BLOCK_SIZE, FINGERPRINT, 0 if role is Role.PREFILL else budget,
+                                  Addresses(grpc="127.0.0.1:1", http="http://127.0.0.1:2", nixl="127.0.0.1:3"),
+                                  "scale"), now)
+    state.take_changes()
+
+    # Fill: sessions of blocks_per_lease random keys, spread over the decode engines (set-up, not measured). The
+    # benchmark keeps nothing of its own over the fill, so the memory it grows by is the broker's.
+    before = _rss()
+    started = time.perf_counter()
+    next_id: dict[str, int] = dict.fromkeys(decodes, 0)
+    per = args.blocks_per_lease
+    for n in range(blocks // per):
+        eid = decodes[n % len(decodes)]
+        raw = rng.randbytes(32 * per)
+        keys = [raw[j:j + 32] for j in range(0, len(raw), 32)]
+        ids = list(range(next_id[eid], next_id[eid] + per))
+        next_id[eid] += per
+        state.publish(eid, f"s{n}", keys, ids, per * BLOCK_SIZE, 0, time.time())
+        del raw, keys, ids
+    state.take_changes()
+    result.fill_s = round(time.perf_counter() - started, 2)
+    result.bytes_per_block = round((_rss() - before) / max(1, blocks), 1)
+    sessions = [(lease.engine_id, lease.session_id, list(lease.keys), list(lease.block_ids))
+                for lease in state.leases.values()]
+
+    # The core's place alone, on the measured turns' kind of request.
+    samples = []
+    for _eid, session, keys, _ in rng.sample(sessions, min(len(sessions), args.turns)):
+        query = [*keys, rng.randbytes(32)]
+        t0 = time.perf_counter()
+        state.place(PlaceInput(query, len(query) * BLOCK_SIZE + 1, FINGERPRINT, BLOCK_SIZE, session, False),
+                    time.time())
+        samples.append((time.perf_counter() - t0) * 1e3)
+    result.core_place_ms = {q: round(quantile(samples, v), 3) for q, v in (("p50", 0.5), ("p99", 0.99))}
+
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    stub = broker_pb2_grpc.KVBrokerStub(channel)
+    place_ms: list[float] = []
+    turn_ms: list[float] = []
+    decisions: dict[str, int] = {}
+    order = rng.sample(range(len(sessions)), min(len(sessions), args.turns))
+    writes_before = store.snapshot()
+
+    async def turn(index: int) -> None:
+        eid, session, keys, ids = sessions[index]
+        grown = [*keys, rng.randbytes(32)]
+        t0 = time.perf_counter()
+        try:
+            plan = await stub.Place(pb.PlaceRequest(
+                session_id=session, block_keys=grown, num_tokens=len(grown) * BLOCK_SIZE + 1,
+                layout_fingerprint=FINGERPRINT, block_size=BLOCK_SIZE, pin=True, no_decode_local=True), timeout=30)
+            place_ms.append((time.perf_counter() - t0) * 1e3)
+            name = pb.Decision.Name(plan.decision).removeprefix("DECISION_")
+            decisions[name] = decisions.get(name, 0) + 1
+            if plan.HasField("pin"):
+                await stub.CompleteTransfer(pb.CompleteTransferRequest(
+                    pin_id=plan.pin.pin_id, success=True, bytes=len(keys) * 65536, duration_s=0.01), timeout=30)
+            new_ids = [*ids, next_id[eid]]
+            next_id[eid] += 1
+            await stub.PublishLease(pb.PublishLeaseRequest(
+                engine_id=eid, session_id=session, block_keys=grown, block_ids=new_ids,
+                num_tokens=len(grown) * BLOCK_SIZE), timeout=30)
+            sessions[index] = (eid, session, grown, new_ids)
+            turn_ms.append((time.perf_counter() - t0) * 1e3)
+        except grpc.aio.AioRpcError:
+            result.errors += 1
+
+    async def client(mine: list[int]) -> None:
+        for index in mine:
+            await turn(index)
+
+    await asyncio.gather(*(client(order[c::args.concurrency]) for c in range(args.concurrency)))
+    puts, deletes, transactions = (a - b for a, b in zip(store.snapshot(), writes_before, strict=True))
+    done = max(1, len(turn_ms))
+    result.writes_per_turn = {"puts": round(puts / done, 2), "deletes": round(deletes / done, 2),
+                              "etcd_transactions": round(transactions / done, 2)}
+    result.place_ms = {q: round(quantile(place_ms, v), 3) for q, v in (("p50", 0.5), ("p99", 0.99))}
+    result.turn_ms = {q: round(quantile(turn_ms, v), 3) for q, v in (("p50", 0.5), ("p99", 0.99))}
+    result.decisions = decisions
+
+    # One keep-alive round: every engine's KeepAlive rewrites its engine record.
+    before_ka = store.puts
+    for eid in decodes[:200]:
+        await stub.KeepAlive(pb.KeepAliveRequest(engine_id=eid, load=pb.EngineLoad()), timeout=30)
+    result.keepalive_writes_per_engine = round((store.puts - before_ka) / min(200, len(decodes)), 2)
+    await channel.close()
+    await server.stop(None)
+    await runtime.stop()
+    return result
+
+
+def growth(results: list[SizeResult]) -> list[dict[str, Any]]:
+    """Each size's figures over the previous size's."""
+    out = []
+    for a, b in itertools.pairwise(results):
+        out.append({"from": f"{a.engines} engines, {a.blocks} blocks", "to": f"{b.engines} engines, {b.blocks} blocks",
+                    "place_p50": round(b.place_ms["p50"] / max(a.place_ms["p50"], 1e-9), 2),
+                    "place_p99": round(b.place_ms["p99"] / max(a.place_ms["p99"], 1e-9), 2),
+                    "core_place_p50": round(b.core_place_ms["p50"] / max(a.core_place_ms["p50"], 1e-9), 2),
+                    "memory": round(b.bytes_per_block * b.blocks / max(a.bytes_per_block * a.blocks, 1e-9), 2)})
+    return out
+
+
+def validate(args: argparse.Namespace) -> None:
+    from kvloop.shared.errors import ConfigError
+
+    for name, low in (("engines", 2), ("blocks", 1), ("steps", 1), ("blocks_per_lease", 1), ("turns", 1),
+                      ("concurrency", 1)):
+        if getattr(args, name) < low:
+            raise ConfigError(f"{name}: must be at least {low}", field=name)
+    smallest = args.engines >> (args.steps - 1)
+    if smallest < 2 or (args.blocks >> (args.steps - 1)) < args.blocks_per_lease:
+        raise ConfigError("steps: the smallest size needs 2 engines and one lease of blocks", field="steps")
+    if args.blocks_per_lease > 4096:
+        raise ConfigError("blocks_per_lease: at most 4096", field="blocks_per_lease")
+
+
+def main(args: argparse.Namespace) -> int:
+    validate(args)
+    results = []
+    for step in reversed(range(args.steps)):
+        engines, blocks = args.engines >> step, args.blocks >> step
+        print(f"size {engines} engines, {blocks} blocks: filling ...", flush=True)
+        results.append(asyncio.run(run_size(engines, blocks, args)))
+        r = results[-1]
+        print(f"  fill {r.fill_s}s, {r.bytes_per_block} B/block; Place over gRPC p50 {r.place_ms['p50']} ms "
+              f"p99 {r.place_ms['p99']} ms (core alone p50 {r.core_place_ms['p50']} p99 {r.core_place_ms['p99']}); "
+              f"turn p50 {r.turn_ms['p50']} p99 {r.turn_ms['p99']} ms; writes/turn {r.writes_per_turn}; "
+              f"keep-alive writes/engine {r.keepalive_writes_per_engine}; {r.decisions}; errors {r.errors}",
+              flush=True)
+    report: dict[str, Any] = {"workload": {
+        "blocks_per_lease": args.blocks_per_lease, "block_size": BLOCK_SIZE, "turns": args.turns,
+        "concurrency": args.concurrency, "turn": "Place(pin, strict P/D) + CompleteTransfer + "
+                           "PublishLease(+1 block, supersedes)"},
+              "sizes": [r.__dict__ for r in results], "growth": growth(results)}
+    for g in report["growth"]:
+        print(f"growth {g['from']} -> {g['to']}: Place p50 x{g['place_p50']}, p99 x{g['place_p99']}, core p50 "
+              f"x{g['core_place_p50']}, memory x{g['memory']}")
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.out}")
+    return 1 if any(r.errors for r in results) else 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_arguments(parser)
+    sys.exit(main(parser.parse_args()))

@@ -1,0 +1,119 @@
+"""Per-turn records: one JSON line per finished turn, for ``kvloop analyze`` (off by default: ``records_path``).
+
+A record carries what the analysis needs and nothing a user typed: lengths, the prompt's block keys as a digest
+chain (each key's first ``KEY_HEX`` hex digits; keys are chained hashes, so two prompts share a prefix of
+digests exactly when they share that prefix of blocks, up to a 64-bit collision), the plan and the path, the
+engines' own token accounts, the pull, TTFT and the engines. Never token ids or text.
+
+The line is written and flushed in the event loop: a few hundred bytes to a buffered file, no await, so a
+crashed router loses at most the turn it was finishing.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import IO, Any
+
+from kvloop.shared.errors import ConfigError
+
+RECORD_VERSION = 1
+KEY_HEX = 16
+"""Hex digits kept of each 32-byte block key (64 bits): enough to tell blocks apart in any one workload."""
+
+
+@dataclass(frozen=True, slots=True)
+class TurnRecord:
+    t: float
+    """Wall-clock seconds (Unix) when the turn arrived."""
+    t_end: float
+    """When it finished (the decode engine retains and publishes the turn then)."""
+    session: str
+    prompt_tokens: int
+    block_size: int
+    keys: tuple[str, ...]
+    """The prompt's full blocks' keys, ``KEY_HEX`` hex digits each (empty: no layout was known)."""
+    output_tokens: int = 0
+    planned: str = ""
+    """The broker's plan (``RECOMPUTE`` without one); "" for records made from conversations."""
+    path: str = ""
+    """The path the turn took by the engines' own accounts; "" when unknown."""
+    reason: str = ""
+    local_tokens: int = 0
+    pulled_tokens: int = 0
+    pulled_blocks: int = 0
+    computed_tokens: int = 0
+    pulled_bytes: int = 0
+    pull_ms: float = 0.0
+    ttft_ms: float | None = None
+    """Time to the first token as the router saw it; None when not measured."""
+    prefill_engine: str = ""
+    decode_engine: str = ""
+    model: str = ""
+    error: str = ""
+    v: int = RECORD_VERSION
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], where: str = "record") -> TurnRecord:
+        names = {f.name for f in fields(cls)}
+        missing = [n for n in ("t", "t_end", "session", "prompt_tokens", "block_size", "keys") if n not in raw]
+        if missing:
+            raise ConfigError(f"{where}: missing field(s) {', '.join(missing)}", field=missing[0])
+        if raw.get("v", RECORD_VERSION) != RECORD_VERSION:
+            raise ConfigError(f"{where}: record version {raw.get('v')!r}, expected {RECORD_VERSION}", field="v")
+        try:
+            record = cls(**{**{k: v for k, v in raw.items() if k in names}, "keys": tuple(raw["keys"])})
+            checks = (("prompt_tokens", record.prompt_tokens >= 0), ("block_size", record.block_size >= 0),
+                      ("t_end", float(record.t_end) >= float(record.t)),
+                      ("keys", all(isinstance(k, str) and len(k) == KEY_HEX for k in record.keys)
+                       and len(record.keys) * record.block_size <= record.prompt_tokens))
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{where}: {exc}", field="record") from None
+        for name, ok in checks:
+            if not ok:
+                raise ConfigError(f"{where}: {name}: out of range or inconsistent", field=name)
+        return record
+
+
+def key_digests(keys: list[bytes]) -> tuple[str, ...]:
+    return tuple(key.hex()[:KEY_HEX] for key in keys)
+
+
+class RecordWriter:
+    """Appends records to ``path`` (created with its folder; appended to if it exists)."""
+
+    def __init__(self, path: Path) -> None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file: IO[str] = path.open("a", encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"records_path: cannot open {path}: {exc.strerror}", field="records_path") from None
+
+    def write(self, record: TurnRecord) -> None:
+        self._file.write(record.to_json() + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def turn_record(prepared: Any, *, now: float, elapsed_s: float, output_tokens: int, ttft_s: float,
+                error: str) -> TurnRecord:
+    """The record of a finished turn (``router.turn.Prepared``; typed ``Any`` so this module needs nothing of
+    turn.py). ``now``: wall-clock seconds at the end; ``elapsed_s``: the turn's duration."""
+    report = prepared.done
+    return TurnRecord(
+        t=round(now - elapsed_s, 6), t_end=round(now, 6), session=prepared.session,
+        prompt_tokens=prepared.prompt_tokens, block_size=prepared.block_size,
+        keys=key_digests(prepared.prompt_keys), output_tokens=output_tokens, planned=prepared.decision,
+        path=prepared.path, reason=prepared.reason, local_tokens=report.local_tokens,
+        pulled_tokens=report.pulled_tokens, pulled_blocks=report.pulled_blocks,
+        computed_tokens=report.computed_tokens, pulled_bytes=report.pulled_bytes, pull_ms=report.pull_ms,
+        ttft_ms=round(ttft_s * 1e3, 3), prefill_engine=prepared.prefill_engine,
+        decode_engine=prepared.decode.engine_id, model=str(prepared.body.get("model", "")), error=error,
+        timings_ms=dict(prepared.timings_ms))
