@@ -38,7 +38,7 @@ class ChaosSettings:
     """The decode engines' safety hold: short, so a SIGSTOP can outlast it within a short run."""
     lease_ttl_s: float = 20.0
     engine_ttl_s: float = 4.0
-    leader_ttl_s: float = 2.0
+    leader_ttl_s: int = 2
     engine_unresponsive_s: float = 5.0
     engine_stall_s: float = 15.0
     max_model_len: int = 8192
