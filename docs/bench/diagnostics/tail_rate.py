@@ -1,5 +1,6 @@
 """Tail rate on a cached prefix: prefix P (cached) + a fresh tail T, max_tokens=1, on one prefill and the decode
-engine of the benchmark's P/D layout, idle. Run from the repository root: ``python docs/bench/diagnostics/tail_rate.py``."""
+engine of the benchmark's P/D layout, idle. From the repository root: ``python docs/bench/diagnostics/tail_rate.py``.
+"""
 
 import json
 import random
