@@ -160,7 +160,7 @@ class TurnRunner:
         self.directory = Directory(config)
         self.broker = BrokerClient(config.broker, timeout_s=config.broker_timeout_s,
                                    tls=TlsFiles.of(config, "broker_tls_")) if config.broker else None
-        self.placements = PlacementStream(self.broker.stub) if self.broker else None
+        self.placements = PlacementStream(self.broker) if self.broker else None
         self._background: set[asyncio.Task[Any]] = set()
         self.recent = RecentTurns(config.publication_wait_s)
         self.tokenizer = RouterTokenizer(config.tokenizer) if config.tokenizer else None
@@ -397,15 +397,26 @@ class TurnRunner:
         return plan, keys, wait_ms, pin, cause
 
     async def _place_once(self, request: pb.PlaceRequest) -> tuple[pb.Plan | None, str]:
-        """The plan, or None and the fallback's cause (see :meth:`_place`)."""
-        try:
-            plan: pb.Plan = await self.placements.place(request,  # type: ignore[union-attr]
-                                                        timeout_s=self.config.broker_timeout_s)
-        except Exception as exc:
-            self.metrics.broker_errors.labels("Place").inc()
-            self.metrics.fallbacks.labels("broker_unavailable").inc()
-            log.warning("router.broker_unavailable", error=str(exc) or type(exc).__name__)
-            return None, "broker_unavailable"
+        """The plan, or None and the fallback's cause (see :meth:`_place`). A replica that is not the leader, or a
+        stream that broke, sends the placement to the next replica (each tried once)."""
+        assert self.placements is not None
+        for attempt in range(self.placements.replicas):
+            last = attempt == self.placements.replicas - 1
+            generation = self.placements.generation
+            try:
+                plan: pb.Plan = await self.placements.place(request, timeout_s=self.config.broker_timeout_s)
+            except Exception as exc:
+                self.metrics.broker_errors.labels("Place").inc()
+                if not last:
+                    self.placements.fail_over(generation)
+                    continue
+                self.metrics.fallbacks.labels("broker_unavailable").inc()
+                log.warning("router.broker_unavailable", error=str(exc) or type(exc).__name__)
+                return None, "broker_unavailable"
+            if plan.error.startswith("UNAVAILABLE") and not last:
+                self.placements.fail_over(generation)
+                continue
+            break
         if plan.error:
             self.metrics.broker_errors.labels("Place").inc()
             self.metrics.fallbacks.labels("place_refused").inc()

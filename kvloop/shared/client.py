@@ -36,6 +36,10 @@ class BrokerClient:
     def stub(self) -> broker_pb2_grpc.KVBrokerStub:
         return self._stubs[self._current]
 
+    def rotate(self) -> None:
+        """Make the next replica the current one (a stream found the current one is not the leader, or lost it)."""
+        self._current = (self._current + 1) % len(self._stubs)
+
     async def call(self, method: str, request: Any, *, timeout_s: float | None = None) -> Any:
         """Unary call with failover: tries each replica once, starting with the last good one."""
         last: grpc.aio.AioRpcError | None = None
@@ -95,15 +99,35 @@ class PlacementStream:
 
     MAX_BATCH = 256
 
-    def __init__(self, stub: broker_pb2_grpc.KVBrokerStub) -> None:
-        self._stub = stub
+    def __init__(self, broker: broker_pb2_grpc.KVBrokerStub | BrokerClient) -> None:
+        """``broker``: one replica's stub, or a :class:`BrokerClient`, whose current replica each new stream opens
+        on (:meth:`fail_over` moves to the next)."""
+        self._broker = broker
+        self.generation = 0
+        """Bumped at each fail-over: which stream a caller's placement went out on."""
         self._waiting: collections.deque[asyncio.Future[Any]] = collections.deque()
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._call: Any = None
         self._tasks: list[asyncio.Task[None]] = []
 
+    @property
+    def replicas(self) -> int:
+        return len(self._broker.addresses) if isinstance(self._broker, BrokerClient) else 1
+
+    def fail_over(self, generation: int) -> None:
+        """Drop this stream (its waiters get an error) and open the next on the next replica: the broker answered
+        that it is not the leader, or the stream broke. ``generation``: the :attr:`generation` the caller placed
+        on; a caller whose stream was already moved (by another caller's failure) moves nothing."""
+        if generation != self.generation:
+            return
+        self.generation += 1
+        self._fail(ConnectionError("placement stream moved to another broker replica"))
+        if isinstance(self._broker, BrokerClient):
+            self._broker.rotate()
+
     def _open(self) -> None:
-        self._call = self._stub.PlaceStream()
+        stub = self._broker.stub if isinstance(self._broker, BrokerClient) else self._broker
+        self._call = stub.PlaceStream()
         self._tasks = [asyncio.create_task(self._write_loop(self._call)),
                        asyncio.create_task(self._read_loop(self._call))]
 
