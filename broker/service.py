@@ -142,8 +142,13 @@ class BrokerService(broker_pb2_grpc.KVBrokerServicer):
     @rpc("KeepAlive")
     async def KeepAlive(self, request: pb.KeepAliveRequest, context: Any) -> pb.KeepAliveResponse:
         load = convert.load_from_pb(request.load)
-        await self.runtime.mutate(lambda s, now: s.keepalive(request.engine_id, load, now))
-        return pb.KeepAliveResponse(engine_ttl_s=self.runtime.config.engine_ttl_s)
+
+        def keepalive(s: BrokerState, now: float) -> int:
+            s.keepalive(request.engine_id, load, now)
+            return len(s.engine_lease_ids(request.engine_id))
+
+        live = await self.runtime.mutate(keepalive)
+        return pb.KeepAliveResponse(engine_ttl_s=self.runtime.config.engine_ttl_s, live_leases=live)
 
     @rpc("DeregisterEngine")
     async def DeregisterEngine(self, request: pb.DeregisterEngineRequest, context: Any

@@ -34,6 +34,8 @@ class SidecarMetrics:
                                      "its replay endpoint, by outcome (covered, missed)", ["outcome"], registry=r)
         self.cached_blocks = Gauge("kvloop_sidecar_cached_blocks", "blocks of the engine's prefix cache the mirror "
                                    "names", registry=r)
+        self.resyncs = Counter("kvloop_sidecar_resyncs_total", "re-registrations because the broker listed another "
+                               "number of leases for the engine than the sidecar held", registry=r)
         self.freed_while_pinned = Counter("kvloop_sidecar_freed_while_pinned_total", "leases whose blocks the engine "
                                           "freed on its own while the broker had them pinned (must stay 0)",
                                           registry=r)

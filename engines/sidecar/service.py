@@ -174,6 +174,11 @@ class Sidecar(engine_link_pb2_grpc.EngineLinkServicer):
             self.keepalive_interval_s = max(0.2, reply.keepalive_interval_s or 2.0)
             self.books.last_seq = reply.last_eviction_seq
             self._release(self.books.not_live(reply.live_lease_ids), "resync")
+            for lease_id in set(reply.live_lease_ids) - set(self.books.by_lease):
+                # The broker offers a lease this engine does not hold (its publication's reply, or the command
+                # that freed it, was lost in a fail-over): it must stop offering those blocks.
+                log.warning("lease.unknown_to_engine", lease=lease_id)
+                self._spawn(self._release_at_broker(lease_id))
             self._set_registered(True)
             log.info("broker.registered", engine=self.config.engine_id, keepalive_s=self.keepalive_interval_s,
                      engine_ttl_s=reply.engine_ttl_s, hold_s=self.config.hold_s)
@@ -233,6 +238,7 @@ class Sidecar(engine_link_pb2_grpc.EngineLinkServicer):
 
     async def _keepalives(self) -> None:
         failures = 0
+        differ = 0
         while True:
             if not self.engine_responsive():
                 # No keep-alive: the broker lets the engine expire (its leases go, nothing is placed on it). When
@@ -241,8 +247,16 @@ class Sidecar(engine_link_pb2_grpc.EngineLinkServicer):
                 continue
             load = self._load()
             try:
-                await self.broker.call("KeepAlive", pb.KeepAliveRequest(engine_id=self.config.engine_id, load=load))
+                reply = await self.broker.call("KeepAlive", pb.KeepAliveRequest(engine_id=self.config.engine_id,
+                                                                                 load=load))
                 failures = 0
+                # Books that differ twice in a row (once may be a publication or an eviction in flight) are
+                # resynced by registering again: the reply lists the broker's leases (see _register_forever).
+                differ = differ + 1 if reply.live_leases != len(self.books.held) else 0
+                if differ >= 2:
+                    log.warning("lease.books_differ", broker=reply.live_leases, sidecar=len(self.books.held))
+                    self.metrics.resyncs.inc()
+                    return
             except grpc.aio.AioRpcError as exc:
                 self.metrics.broker_errors.labels("KeepAlive").inc()
                 if exc.code() == grpc.StatusCode.NOT_FOUND:

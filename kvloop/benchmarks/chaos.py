@@ -345,6 +345,9 @@ def figures(run: Run) -> dict[str, Any]:
     return {
         "requests": len(reqs), "ok": sum(r.ok for r in reqs), "errors": errors, "errors_by_fault": by_fault,
         "hangs": errors.get("timeout", 0), "paths": paths,
+        "error_samples": [{"session": r.session, "turn": r.turn, "attempt": r.attempt, "start": r.start, "end": r.end,
+                           "status": r.status, "error": r.error, "path": r.path, "reason": r.reason,
+                           "prefill": r.prefill_engine, "decode": r.decode_engine} for r in reqs if not r.ok][:40],
         "ttft_ms": {name: {"n": len(v), "p50": percentile(v, 50), "p99": percentile(v, 99)}
                     for name, v in (("in_fault_windows", inside), ("outside", outside))},
         "recovery_s": {k: {"n": len(v), "max": max(v), "median": percentile(v, 50)} for k, v in recovery.items()},

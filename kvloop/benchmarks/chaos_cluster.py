@@ -80,6 +80,7 @@ class ChaosCluster:
                     cluster.metrics_ports[plan.engine_id] = port
                     plan.sidecar_env["KVLOOP_SIDECAR_METRICS_LISTEN"] = f"127.0.0.1:{port}"
                     plan.sidecar_env["KVLOOP_SIDECAR_ENGINE_UNRESPONSIVE_S"] = str(settings.engine_unresponsive_s)
+                    plan.sidecar_env["KVLOOP_SIDECAR_LOG_LEVEL"] = "info"  # every lease's story, for the books
                 cluster.engines[plan.engine_id] = spawn_engine(plan, die_with_parent=False)
             await asyncio.gather(*(cluster.wait_engine(eid) for eid in cluster.engines))
             cluster.router = await start_router(RouterConfig.load({

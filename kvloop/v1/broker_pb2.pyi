@@ -127,10 +127,12 @@ class KeepAliveRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ...) -> None: ...
 
 class KeepAliveResponse(_message.Message):
-    __slots__ = ("engine_ttl_s",)
+    __slots__ = ("engine_ttl_s", "live_leases")
     ENGINE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    LIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
     engine_ttl_s: float
-    def __init__(self, engine_ttl_s: _Optional[float] = ...) -> None: ...
+    live_leases: int
+    def __init__(self, engine_ttl_s: _Optional[float] = ..., live_leases: _Optional[int] = ...) -> None: ...
 
 class DeregisterEngineRequest(_message.Message):
     __slots__ = ("engine_id",)
