@@ -40,7 +40,9 @@ class Directory:
             "prefill": [EngineInfo(f"prefill@{u}", "prefill", u) for u in config.urls("prefill_urls")],
             "decode": [EngineInfo(f"decode@{u}", "decode", u) for u in config.urls("decode_urls")],
         }
-        self._rr = itertools.count()
+        self._rr: dict[str, itertools.count[int]] = {}
+        """One round-robin counter per role: with one shared, a turn that picks a prefill then a decode engine
+        always landed on the same decode engine of two (seen in kvloop bench chaos)."""
 
     def update(self, reply: pb.InspectResponse) -> None:
         self.engines = {e.engine.engine_id: EngineInfo(e.engine.engine_id, ROLES.get(e.engine.role, "both"),
@@ -59,7 +61,8 @@ class Directory:
 
     def pick(self, role: str, model: str = "", exclude: frozenset[str] | set[str] = frozenset()) -> EngineInfo | None:
         candidates = [e for e in self.of_role(role, model) if e.engine_id not in exclude]
-        return candidates[next(self._rr) % len(candidates)] if candidates else None
+        counter = self._rr.setdefault(role, itertools.count())
+        return candidates[next(counter) % len(candidates)] if candidates else None
 
     def models(self) -> set[str]:
         """The model names engines registered with."""

@@ -69,6 +69,12 @@ def test_directory_prefers_the_broker_list_and_round_robins() -> None:
     picks = {d.pick("prefill").engine_id for _ in range(6)}  # type: ignore[union-attr]
     assert picks == {"p1", "p2", "b1"}
     assert d.pick("decode", exclude={"d1", "b1"}) is None
+    # Alternating picks of the two roles still spread over both decode engines (one counter per role).
+    decodes = set()
+    for _ in range(4):
+        d.pick("prefill")
+        decodes.add(d.pick("decode").engine_id)  # type: ignore[union-attr]
+    assert decodes == {"d1", "b1"}
     assert d.engines["p2"].http == "http://p2:8000" and d.layout() == ("fp", 128)
 
 
