@@ -409,8 +409,10 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     args.model_name = model.name
     work = (args.work_dir or default_work_dir() / "bench-chaos").absolute()
     settings = ChaosSettings(prefill=args.prefill, decode=args.decode)
+    # Tool outputs of a median 300 tokens: about a third exceed decode_local_max_tokens (512), so TRANSFER turns
+    # (and the faults that wait for one) come often among the DECODE_LOCAL ones.
     spec = AgentSpec(sessions=args.sessions, turns_min=args.turns, turns_max=args.turns, system_tokens=500,
-                     tool_median=120, tool_max=600, answer_min=16, answer_max=64, think_min_s=0.1, think_max_s=1.0,
+                     tool_median=300, tool_max=1500, answer_min=16, answer_max=64, think_min_s=0.1, think_max_s=1.0,
                      seed=args.seed)
     extra = agent(AgentSpec(**{**asdict(spec), "seed": args.seed + 7919, "sessions": 4 * args.sessions}))
     faults = schedule(args.seed, args.rounds, hold_s=settings.hold_s, unresponsive_s=settings.engine_unresponsive_s,
