@@ -289,7 +289,7 @@ async def check_answers(model: Path, work: Path, requests: list[RequestRecord]) 
     from kvloop.engine_set import start_engines
 
     config = EngineConfig(role="both", model=model, engine_id="reference", work_dir=work / "reference",
-                          connector="none", dtype="float32", max_model_len=8192, log_level="warning",
+                          connector="none", dtype="float32", max_model_len=16384, log_level="warning",
                           extra_vllm_args="--no-enable-prefix-caching")
     engines = await asyncio.to_thread(start_engines, [config])
     (engine,) = list(engines)

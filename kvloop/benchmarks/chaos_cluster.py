@@ -41,7 +41,7 @@ class ChaosSettings:
     leader_ttl_s: int = 2
     engine_unresponsive_s: float = 5.0
     engine_stall_s: float = 15.0
-    max_model_len: int = 8192
+    max_model_len: int = 16384
 
 
 @dataclass
