@@ -164,14 +164,16 @@ class Run:
         finally:
             self.faults_done.set()
 
-    async def streaming_on(self, engine_id: str, timeout_s: float = 20.0) -> bool:
-        """Wait (bounded) until a stream is in flight on ``engine_id``: the fault then lands mid-answer."""
+    async def streaming_decode(self, engines: list[str], pick: int, timeout_s: float = 30.0) -> str | None:
+        """Wait (bounded) until a stream is in flight on one of ``engines``, and name one that has a stream (``pick``
+        chooses among them): the fault then lands mid-answer. None when none streamed in time."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if engine_id in self.streaming.values():
-                return True
+            busy = sorted({e for e in self.streaming.values() if e in engines})
+            if busy:
+                return busy[pick % len(busy)]
             await asyncio.sleep(0.02)
-        return False
+        return None
 
     async def on_next_transfer(self, pick: str, timeout_s: float = 90.0) -> str | None:
         """Arm the router's hook: at the next TRANSFER's prefill, kill its prefill engine (``pick`` = "prefill") or
@@ -206,8 +208,10 @@ class Run:
         target = decodes[fault.target % len(decodes)]
         note = ""
         if fault.kind in ("decode_kill", "decode_stop"):
-            if not await self.streaming_on(target):
+            streaming = await self.streaming_decode(decodes, fault.target)
+            if streaming is None:
                 note = "no stream was in flight on it"
+            target = streaming or target
             record = FaultRecord(fault.kind, target, self.now(), note=note)
             c.signal_engine(target, signal.SIGKILL if fault.kind == "decode_kill" else signal.SIGSTOP)
             await asyncio.sleep(fault.down_s)
