@@ -176,7 +176,15 @@ class TurnRunner:
         if self.broker is None:
             return
         try:
-            self.directory.update(await self.broker.call("Inspect", pb.InspectRequest()))
+            reply = await self.broker.call("Inspect", pb.InspectRequest())
+            if reply.store != "memory" and not reply.leader:
+                # A follower lists no engines (they register with the leader): keep the last list until a leader
+                # answers, or every turn of a fail-over finds no engine at all (seen in kvloop bench chaos). The
+                # next refresh asks the next replica.
+                self.broker_answered = False
+                self.broker.rotate()
+                return
+            self.directory.update(reply)
             self.broker_answered = True
         except Exception as exc:  # the broker may be down: keep the last list
             self.broker_answered = False

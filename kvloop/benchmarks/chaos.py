@@ -264,7 +264,8 @@ async def check_books(cluster: ChaosCluster, lease_ttl_s: float) -> dict[str, An
             sidecar = await asyncio.to_thread(cluster.sidecar_metrics, eid)
             per[eid] = {"broker_leases": len(leases), "broker_blocks": len({b for le in leases for b in le.block_ids}),
                         "engine_blocks": held, "engine_total_blocks": total,
-                        "sidecar_leases": int(sidecar.get("kvloop_sidecar_leases", -1))}
+                        "sidecar_leases": int(sidecar.get("kvloop_sidecar_leases", -1)),
+                        "engine_requests": await asyncio.to_thread(cluster.engine_requests, eid)}
         agree = all(v["broker_blocks"] == v["engine_blocks"] and v["broker_leases"] == v["sidecar_leases"]
                     for v in per.values())
         return {"agree": agree, "engines": per, "leases": len(reply.leases)}

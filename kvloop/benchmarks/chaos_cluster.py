@@ -177,6 +177,11 @@ class ChaosCluster:
                       if k.startswith("vllm:cache_config_info") and 'num_gpu_blocks="' in k), 0)
         return round(metric_total(samples, "vllm:kv_cache_usage_perc") * total), total
 
+    def engine_requests(self, engine_id: str) -> dict[str, float]:
+        """Requests the engine's scheduler has, running and waiting (a request stuck there holds blocks)."""
+        samples = read_metrics(self.engines[engine_id].plan.url, timeout_s=10.0)
+        return {name: metric_total(samples, f"vllm:num_requests_{name}") for name in ("running", "waiting")}
+
     # Faults and repairs.
 
     def signal_engine(self, engine_id: str, sig: int) -> None:
