@@ -164,7 +164,7 @@ class Run:
         finally:
             self.faults_done.set()
 
-    async def streaming_decode(self, engines: list[str], pick: int, timeout_s: float = 30.0) -> str | None:
+    async def streaming_decode(self, engines: list[str], pick: int, timeout_s: float = 60.0) -> str | None:
         """Wait (bounded) until a stream is in flight on one of ``engines``, and name one that has a stream (``pick``
         chooses among them): the fault then lands mid-answer. None when none streamed in time."""
         deadline = time.monotonic() + timeout_s
@@ -357,6 +357,8 @@ def figures(run: Run) -> dict[str, Any]:
                     for name, v in (("in_fault_windows", inside), ("outside", outside))},
         "recovery_s": {k: {"n": len(v), "max": max(v), "median": percentile(v, 50)} for k, v in recovery.items()},
         "faults": [asdict(f) | {"recovery_s": f.recovery_s} for f in faults],
+        "requests_timeline": [[r.session, r.turn, r.attempt, r.start, r.end, r.status, r.path, r.reason,
+                               r.prefill_engine, r.decode_engine, r.ttft_s] for r in reqs],
         "faults_fired": sorted({f.kind for f in faults if f.fired}),
         "faults_not_fired": [f"{f.kind}: {f.note}" for f in faults if not f.fired],
         "wall_s": run.now(),
@@ -419,7 +421,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     spec = AgentSpec(sessions=args.sessions, turns_min=args.turns, turns_max=args.turns, system_tokens=500,
                      tool_median=300, tool_max=1500, answer_min=16, answer_max=64, think_min_s=0.1, think_max_s=1.0,
                      seed=args.seed)
-    extra = agent(AgentSpec(**{**asdict(spec), "seed": args.seed + 7919, "sessions": 4 * args.sessions}))
+    # Spare sessions keep traffic going while faults remain (engine restarts take minutes on a loaded machine);
+    # the deadline bounds them.
+    extra = agent(AgentSpec(**{**asdict(spec), "seed": args.seed + 7919, "sessions": 64}))
     faults = schedule(args.seed, args.rounds, hold_s=settings.hold_s, unresponsive_s=settings.engine_unresponsive_s,
                       kinds=args.faults.split(","))
     result: dict[str, Any] = {"workload": asdict(spec) | {"concurrency": args.concurrency}, "seed": args.seed}
