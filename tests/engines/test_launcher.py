@@ -390,7 +390,6 @@ def test_launcher_cli_stops_the_engine_on_sigterm_during_startup(tiny_model: Pat
 
 @pytest.mark.slow
 @pytest.mark.vllm
-@pytest.mark.stops_engines
 def cpu_list(spec: str) -> set[int]:
     """``0-2,5`` -> {0, 1, 2, 5} (the format of ``VLLM_CPU_OMP_THREADS_BIND``)."""
     cores: set[int] = set()
@@ -412,6 +411,7 @@ def test_each_engine_computes_on_its_own_cores(pd_engines: PDEngines) -> None:
         assert os.sched_getaffinity(workers[0]) == expected, (engine.engine_id, expected)
 
 
+@pytest.mark.stops_engines
 def test_stop_leaves_no_process_of_the_engine(pd_engines: PDEngines) -> None:
     engines: list[EngineProcess] = [pd_engines.decode, pd_engines.prefill]
     for engine in engines:
