@@ -160,7 +160,9 @@ class TurnRunner:
         self.directory = Directory(config)
         self.broker = BrokerClient(config.broker, timeout_s=config.broker_timeout_s,
                                    tls=TlsFiles.of(config, "broker_tls_")) if config.broker else None
-        self.placements = PlacementStream(self.broker.stub) if self.broker else None
+        # The stream (re)opens on the replica the client last found leading (refresh() asks until the leader answers).
+        broker = self.broker
+        self.placements = PlacementStream(lambda: broker.stub) if broker is not None else None
         self._background: set[asyncio.Task[Any]] = set()
         self.recent = RecentTurns(config.publication_wait_s)
         self.tokenizer = RouterTokenizer(config.tokenizer) if config.tokenizer else None
@@ -176,7 +178,8 @@ class TurnRunner:
         if self.broker is None:
             return
         try:
-            self.directory.update(await self.broker.call("Inspect", pb.InspectRequest()))
+            # A follower answers Inspect with an empty view: ask until the leader answers.
+            self.directory.update(await self.broker.call("Inspect", pb.InspectRequest(), from_leader=True))
             self.broker_answered = True
         except Exception as exc:  # the broker may be down: keep the last list
             self.broker_answered = False
@@ -410,6 +413,11 @@ class TurnRunner:
             self.metrics.broker_errors.labels("Place").inc()
             self.metrics.fallbacks.labels("place_refused").inc()
             log.warning("router.place_refused", error=plan.error)
+            if "not the leader" in plan.error and self.placements is not None:
+                # A follower's refusal (a fail-over, or a stream opened before the leader was known): find the
+                # leader now and reopen the stream there for the next placement.
+                await self.refresh()
+                await self.placements.close()
             return None, "place_refused"
         return plan, ""
 

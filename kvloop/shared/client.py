@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -36,9 +36,15 @@ class BrokerClient:
     def stub(self) -> broker_pb2_grpc.KVBrokerStub:
         return self._stubs[self._current]
 
-    async def call(self, method: str, request: Any, *, timeout_s: float | None = None) -> Any:
-        """Unary call with failover: tries each replica once, starting with the last good one."""
+    async def call(self, method: str, request: Any, *, timeout_s: float | None = None,
+                   from_leader: bool = False) -> Any:
+        """Unary call with failover: tries each replica once, starting with the last good one.
+
+        ``from_leader``: for a call a follower answers too, with its own empty view (``Inspect``: ``leader`` false, no
+        engines), such an answer counts as a miss and the next replica is asked; when no replica says it leads, the
+        last answer is returned."""
         last: grpc.aio.AioRpcError | None = None
+        follower_answer: Any = None
         for attempt in range(len(self._stubs)):
             index = (self._current + attempt) % len(self._stubs)
             try:
@@ -48,8 +54,13 @@ class BrokerClient:
                     raise
                 last = exc
                 continue
+            if from_leader and not getattr(response, "leader", True):
+                follower_answer = response
+                continue
             self._current = index
             return response
+        if follower_answer is not None:
+            return follower_answer
         assert last is not None
         raise last
 
@@ -95,15 +106,17 @@ class PlacementStream:
 
     MAX_BATCH = 256
 
-    def __init__(self, stub: broker_pb2_grpc.KVBrokerStub) -> None:
-        self._stub = stub
+    def __init__(self, stub: broker_pb2_grpc.KVBrokerStub | Callable[[], broker_pb2_grpc.KVBrokerStub]) -> None:
+        """``stub``: the broker's stub, or a function giving the one to use each time the stream (re)opens, e.g.
+        ``lambda: client.stub`` to follow a :class:`BrokerClient` to the replica that leads."""
+        self._stub_of: Callable[[], broker_pb2_grpc.KVBrokerStub] = stub if callable(stub) else (lambda: stub)
         self._waiting: collections.deque[asyncio.Future[Any]] = collections.deque()
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._call: Any = None
         self._tasks: list[asyncio.Task[None]] = []
 
     def _open(self) -> None:
-        self._call = self._stub.PlaceStream()
+        self._call = self._stub_of().PlaceStream()
         self._tasks = [asyncio.create_task(self._write_loop(self._call)),
                        asyncio.create_task(self._read_loop(self._call))]
 
