@@ -45,12 +45,14 @@ FILES=(-f "$ROOT/deploy/docker-compose.yaml")
 
 setup_podman() {
   # Debian's podman with runc (crun's rlimit handling is refused here), docker-compose v1 for the compose files over
-  # podman's Docker-compatible API, debootstrap for the base image.
+  # podman's Docker-compatible API, debootstrap for the base image, the dnsname CNI plugin.
   local need=()
   command -v podman >/dev/null || need+=(podman)
   command -v runc >/dev/null || need+=(runc)
   command -v docker-compose >/dev/null || need+=(docker-compose)
   command -v debootstrap >/dev/null || need+=(debootstrap)
+  # Service names resolve on podman's CNI networks only with the dnsname plugin (Docker has its own DNS).
+  [ -x /usr/lib/cni/dnsname ] || need+=(golang-github-containernetworking-plugin-dnsname)
   if [ ${#need[@]} -gt 0 ]; then
     [ "$(id -u)" = 0 ] || die "install ${need[*]} (Debian packages), or run as root"
     log "apt-get install ${need[*]}"
@@ -146,6 +148,7 @@ build() {
     build_one kvloop-prometheus:2.42-bookworm deploy/compose/Dockerfile.standins prometheus
     build_one kvloop-phoenix:20.26.1 deploy/compose/Dockerfile.standins phoenix
   fi
+  sources_hash >"$STATE/images.stamp"
   log "images built in $((SECONDS - t0)) s"
 }
 
@@ -187,11 +190,38 @@ wait_healthy() {  # every service with a health check healthy, and the router's 
   done
 }
 
+sources_hash() {  # what the images are built from: the package, the Dockerfiles, the pip configuration, the base
+  (
+    cd "$ROOT"
+    # (kvloop/broker, kvloop/engines, kvloop/router are links to folders: their files are hashed under broker/ ...)
+    git ls-files -z -- pyproject.toml README.md kvloop broker engines router deploy/docker 'deploy/compose/Dockerfile.*' \
+      | xargs -0 sha256sum 2>/dev/null || true
+    echo "${KVLOOP_BASE_IMAGE:-} $STANDINS"
+    python3 -m pip config list 2>/dev/null || true
+  ) | sha256sum | cut -d' ' -f1
+}
+
+images_current() {  # every image exists and was built from these sources (else `up` builds; cached layers reused)
+  [ "$(cat "$STATE/images.stamp" 2>/dev/null)" = "$(sources_hash)" ] || return 1
+  local tag
+  for tag in "kvloop:$VERSION" "kvloop-engine-cpu:$VERSION"; do engine_cli image inspect "$tag" >/dev/null 2>&1 || return 1; done
+}
+
+# CNI's host-local IPAM hands out addresses after the last one it gave, across runs, and keeps that in
+# /var/lib/cni/networks/NETWORK: on a later run the dynamic addresses of the brokers, sidecars ... reach the engines'
+# static ones (172.30.0.21/.22/.31: "requested IP address ... is not available"). With no network of the project
+# left, its leases are stale: forget them, so dynamic addresses start again at .2.
+forget_cni_leases() {
+  local net=${PROJECT}_kvloop
+  if ! podman network exists "$net" 2>/dev/null; then rm -rf "/var/lib/cni/networks/$net"; fi
+}
+
 up() {
   [ "$ENGINE" = podman ] && setup_podman
-  build
+  if [ "${KVLOOP_BUILD:-auto}" = 1 ] || ! images_current; then build; else log "images current (KVLOOP_BUILD=1 rebuilds)"; fi
   local t0=$SECONDS
   log "starting the cluster (${FILES[*]})"
+  [ "$ENGINE" = podman ] && forget_cni_leases
   start_health_ticker
   trap stop_health_ticker EXIT
   if [ "$ENGINE" = docker ]; then
@@ -249,6 +279,7 @@ down() {
     ids=$(podman volume ls -q --filter "label=com.docker.compose.project=$PROJECT")
     [ -z "$ids" ] || podman volume rm -f $ids >/dev/null
     podman network ls -q --filter "label=com.docker.compose.project=$PROJECT" | xargs -r podman network rm -f >/dev/null
+    forget_cni_leases
     if [ -f "$STATE/podman-service.pid" ]; then
       kill "$(cat "$STATE/podman-service.pid")" 2>/dev/null || true
       rm -f "$STATE/podman-service.pid" "$SOCK"
