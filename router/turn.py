@@ -176,13 +176,12 @@ class TurnRunner:
         if self.broker is None:
             return
         try:
-            reply = await self.broker.call("Inspect", pb.InspectRequest())
+            # A follower answers Inspect with an empty view (engines register with the leader): ask until the
+            # leader answers; with none leading, keep the last list, or every turn of a fail-over finds no engine at
+            # all (seen in kvloop bench chaos and in the compose cluster).
+            reply = await self.broker.call("Inspect", pb.InspectRequest(), from_leader=True)
             if reply.store != "memory" and not reply.leader:
-                # A follower lists no engines (they register with the leader): keep the last list until a leader
-                # answers, or every turn of a fail-over finds no engine at all (seen in kvloop bench chaos). The
-                # next refresh asks the next replica.
                 self.broker_answered = False
-                self.broker.rotate()
                 return
             self.directory.update(reply)
             self.broker_answered = True
@@ -429,6 +428,11 @@ class TurnRunner:
             self.metrics.broker_errors.labels("Place").inc()
             self.metrics.fallbacks.labels("place_refused").inc()
             log.warning("router.place_refused", error=plan.error)
+            if "not the leader" in plan.error and self.placements is not None:
+                # A follower's refusal (a fail-over, or a stream opened before the leader was known): find the
+                # leader now and reopen the stream there for the next placement.
+                await self.refresh()
+                await self.placements.close()
             return None, "place_refused"
         return plan, ""
 

@@ -40,9 +40,15 @@ class BrokerClient:
         """Make the next replica the current one (a stream found the current one is not the leader, or lost it)."""
         self._current = (self._current + 1) % len(self._stubs)
 
-    async def call(self, method: str, request: Any, *, timeout_s: float | None = None) -> Any:
-        """Unary call with failover: tries each replica once, starting with the last good one."""
+    async def call(self, method: str, request: Any, *, timeout_s: float | None = None,
+                   from_leader: bool = False) -> Any:
+        """Unary call with failover: tries each replica once, starting with the last good one.
+
+        ``from_leader``: for a call a follower answers too, with its own empty view (``Inspect``: ``leader`` false, no
+        engines), such an answer counts as a miss and the next replica is asked; when no replica says it leads, the
+        last answer is returned."""
         last: grpc.aio.AioRpcError | None = None
+        follower_answer: Any = None
         for attempt in range(len(self._stubs)):
             index = (self._current + attempt) % len(self._stubs)
             try:
@@ -52,8 +58,13 @@ class BrokerClient:
                     raise
                 last = exc
                 continue
+            if from_leader and not getattr(response, "leader", True):
+                follower_answer = response
+                continue
             self._current = index
             return response
+        if follower_answer is not None:
+            return follower_answer
         assert last is not None
         raise last
 

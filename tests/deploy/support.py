@@ -243,6 +243,15 @@ def dockerfile_stages(path: Path) -> dict[str, Stage]:
     return stages
 
 
+def root_base(path: Path, target: str) -> str:
+    """The image a stage is built on, following ``FROM <earlier stage>`` back to the first image named."""
+    stages = dockerfile_stages(path)
+    base = stages[target].base
+    while base in stages:
+        base = stages[base].base
+    return base
+
+
 def final_stage(path: Path, target: str | None) -> Stage:
     stages = dockerfile_stages(path)
     if target is None:

