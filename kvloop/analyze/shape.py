@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from kvloop.analyze.stats import quantile
 from kvloop.router.records import TurnRecord
+from kvloop.shared.hashing import common_prefix_blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,21 +32,12 @@ def sessions(records: Sequence[TurnRecord]) -> dict[str, list[TurnRecord]]:
     return out
 
 
-def common_blocks(a: Sequence[str], b: Sequence[str]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def prefix_shares(by_session: dict[str, list[TurnRecord]]) -> list[TurnShare]:
     out = []
     for session, turns in by_session.items():
         for index in range(1, len(turns)):
             prev, cur = turns[index - 1], turns[index]
-            shared = common_blocks(prev.keys, cur.keys) * cur.block_size
+            shared = common_prefix_blocks(prev.keys, cur.keys) * cur.block_size
             out.append(TurnShare(session, index, shared, shared / cur.prompt_tokens if cur.prompt_tokens else 0.0))
     return out
 

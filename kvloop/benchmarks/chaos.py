@@ -38,10 +38,10 @@ from kvloop.benchmarks.chaos_faults import (
     RequestRecord,
     first_divergence,
     in_window,
-    percentile,
     recovered_at,
     schedule,
 )
+from kvloop.benchmarks.stats import percentile
 from kvloop.benchmarks.workload import AgentSpec, Conversation, agent
 from kvloop.engines.config import EngineConfig, default_work_dir
 from kvloop.engines.model import ensure_tiny_model
@@ -353,9 +353,9 @@ def figures(run: Run) -> dict[str, Any]:
         "error_samples": [{"session": r.session, "turn": r.turn, "attempt": r.attempt, "start": r.start, "end": r.end,
                            "status": r.status, "error": r.error, "path": r.path, "reason": r.reason,
                            "prefill": r.prefill_engine, "decode": r.decode_engine} for r in reqs if not r.ok][:40],
-        "ttft_ms": {name: {"n": len(v), "p50": percentile(v, 50), "p99": percentile(v, 99)}
+        "ttft_ms": {name: {"n": len(v), "p50": percentile(v, 0.50), "p99": percentile(v, 0.99)}
                     for name, v in (("in_fault_windows", inside), ("outside", outside))},
-        "recovery_s": {k: {"n": len(v), "max": max(v), "median": percentile(v, 50)} for k, v in recovery.items()},
+        "recovery_s": {k: {"n": len(v), "max": max(v), "median": percentile(v, 0.50)} for k, v in recovery.items()},
         "faults": [asdict(f) | {"recovery_s": f.recovery_s} for f in faults],
         "requests_timeline": [[r.session, r.turn, r.attempt, r.start, r.end, r.status, r.path, r.reason,
                                r.prefill_engine, r.decode_engine, r.ttft_s] for r in reqs],

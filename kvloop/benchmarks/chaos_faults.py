@@ -125,13 +125,6 @@ def in_window(r: RequestRecord, faults: Sequence[FaultRecord]) -> bool:
     return any(f.fired and r.start <= f.repaired and r.end >= f.injected for f in faults)
 
 
-def percentile(values: Sequence[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
-
-
 def first_divergence(got: Sequence[int], want: Sequence[int]) -> int | None:
     """The first position where two greedy outputs differ (None: equal)."""
     for i, (a, b) in enumerate(zip(got, want, strict=False)):

@@ -16,6 +16,7 @@ from kvloop.analyze.verdict import verdict
 from kvloop.cli import build_parser
 from kvloop.router.records import KEY_HEX, RecordWriter, TurnRecord, turn_record
 from kvloop.shared.errors import ConfigError
+from kvloop.shared.hashing import common_prefix_blocks
 from kvloop.shared.protocol import PrefillReport
 
 BS = 4
@@ -177,4 +178,4 @@ def test_conversations_become_records() -> None:
     assert (first.session, first.t, first.t_end, first.output_tokens) == ("c", 10.0, 12.0, 8)
     assert second.t == 13.5  # start + one turn (2 s) + its think time (1.5 s)
     assert (first.prompt_tokens, second.prompt_tokens) == (11, 40)  # "<user>hello", + "<assistant>hi there<user>more"
-    assert shape.common_blocks(first.keys, second.keys) == 2  # the first 8 tokens' 2 whole blocks
+    assert common_prefix_blocks(first.keys, second.keys) == 2  # the first 8 tokens' 2 whole blocks
