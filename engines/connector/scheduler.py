@@ -184,6 +184,11 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
         if not came_from_prefill or not delay_free or not self.retain:
             return delay_free, out
         rid = request.request_id
+        # The workers act on a request's deadline in ``reqs_to_send`` only if it was ever in a batch they were told
+        # of. A request from a prefill engine was (upstream adds it when it allocates for the pull); a DECODE_LOCAL
+        # one never was, and without this its blocks were never freed: neither on release nor when the safety hold
+        # ran out (kvloop bench chaos found a decode engine holding 1,156 blocks with no lease and no request).
+        self._reqs_in_batch.add(rid)
         retainable = (request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
                       and self._single_group and self._link is not None)
         retained = retain(request.all_token_ids, list(block_ids[0]), request.num_computed_tokens, self.block_size,

@@ -41,6 +41,7 @@ class Analysis:
     block_size: int
     model: CostModel
     check: ModelCheck | None
+    holdout: ModelCheck | None
     fleet: Fleet
     ideal: Replay
     ideal_hits: Hits
@@ -93,5 +94,5 @@ def analyze(records: list[TurnRecord], options: Options) -> Analysis:
     final = verdict(reuse, grid, w.get("p50", 0.0), wo.get("p50", 0.0), w.get("p95", 0.0), wo.get("p95", 0.0),
                     link.utilisation)
     return Analysis(records, by_session, shares, shape.share_curve(shares), shape.gaps(by_session), rate, span, bs,
-                    model, costs.check(records, model), fleet, ideal, ideal_hits, grid, chosen, link, with_return,
-                    without, reuse, final)
+                    model, costs.check(records, model), costs.holdout_check(records, options.given), fleet, ideal,
+                    ideal_hits, grid, chosen, link, with_return, without, reuse, final)

@@ -112,6 +112,16 @@ def check(records: Sequence[TurnRecord], model: CostModel) -> ModelCheck | None:
     return ModelCheck(len(timed), spread(predicted), spread([r.ttft_ms for r in timed]))  # type: ignore[misc]
 
 
+def holdout_check(records: Sequence[TurnRecord], given: dict[str, float]) -> ModelCheck | None:
+    """The model fitted on every other session (by name) and checked on the rest: its error on turns it was not
+    fitted to, which :func:`check` (fitted and checked on the same turns) cannot show."""
+    names = sorted({r.session for r in records})
+    fitted_on = set(names[::2])
+    train = [r for r in records if r.session in fitted_on]
+    test = [r for r in records if r.session not in fitted_on]
+    return check(test, fit(train, given)) if train and test else None
+
+
 @dataclass(frozen=True, slots=True)
 class Interconnect:
     turns_pulling: int

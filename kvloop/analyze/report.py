@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from kvloop.analyze.analysis import Analysis
-from kvloop.analyze.stats import quantile
+from kvloop.analyze.costs import ModelCheck
+from kvloop.analyze.stats import quantile, spread
 from kvloop.analyze.verdict import ENOUGH_HITS
 
 
@@ -73,15 +74,30 @@ def markdown(a: Analysis, source: str, plots: list[str]) -> str:
     out += ["- one-way P/D recomputes every prompt (no prefill-side prefix cache: an upper bound); with the return "
             "path each turn takes the broker's plan in the replay, without the engines' own prefix caches."]
     if a.check is not None:
-        c = a.check
         out += ["", "### The model against these records", "",
-                f"Each of {c.turns} measured turns priced by the path and tokens it took: predicted p50/p95/p99 "
-                f"{c.predicted['p50']:.1f}/{c.predicted['p95']:.1f}/{c.predicted['p99']:.1f} ms, measured "
-                f"{c.measured['p50']:.1f}/{c.measured['p95']:.1f}/{c.measured['p99']:.1f} ms (largest gap "
-                f"{c.worst_gap():.0%})."]
+                "Each measured turn priced by the path and tokens it took; percentiles nearest-rank over n turns "
+                "(a p99 over fewer than 100 turns is the largest but one or the largest).", "",
+                _row(["model", "n", "predicted p50/p95/p99 ms", "measured p50/p95/p99 ms", "largest gap"]),
+                _row(["---", "---:", "---:", "---:", "---:"]), _check_row("fitted on all turns", a.check)]
+        if a.holdout is not None:
+            out.append(_check_row("fitted on every other session, priced on the rest", a.holdout))
+        measured = [r.ttft_ms for r in a.records if r.ttft_ms is not None and not r.error]
+        w = a.with_return.get("all")
+        if w and measured:
+            seen = spread(measured)
+            out += ["", f"The replay's own prediction (each turn on the path the broker's core planned at the "
+                    f"starting setting, without the engines' prefix caches): p50/p95/p99 {w['p50']:.1f}/"
+                    f"{w['p95']:.1f}/{w['p99']:.1f} ms against measured {seen['p50']:.1f}/{seen['p95']:.1f}/"
+                    f"{seen['p99']:.1f} ms."]
     if plots:
         out += ["", "## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
     return "\n".join(out) + "\n"
+
+
+def _check_row(label: str, c: ModelCheck) -> str:
+    p, m = c.predicted, c.measured
+    return _row([label, c.turns, f"{p['p50']:.1f} / {p['p95']:.1f} / {p['p99']:.1f}",
+                 f"{m['p50']:.1f} / {m['p95']:.1f} / {m['p99']:.1f}", f"{c.worst_gap():.0%}"])
 
 
 def plot(a: Analysis, out_dir: Path) -> list[str]:

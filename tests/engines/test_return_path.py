@@ -23,6 +23,7 @@ from kvloop.benchmarks.pd_driver import PDDriver, Turn, post_json
 from kvloop.engine_set import role_cores, start_engines
 from kvloop.engines.config import EngineConfig
 from kvloop.engines.layout import engine_fingerprint
+from kvloop.shared.protocol import decode_local_params
 from kvloop.v1 import broker_pb2 as pb
 from kvloop.v1 import broker_pb2_grpc
 from tests.engines.conftest import ENGINE_START_TIMEOUT_S, EXTRA_CONFIG
@@ -237,6 +238,30 @@ def test_evicted_lease_recomputes_and_frees_its_blocks(pd_engines: PDEngines, dr
     # index): this strict-P/D driver cannot use them, and the plan says so.
     assert t2.decision == "RECOMPUTE" and t2.matched_tokens == 0 and len(t2.output_ids) == 6, t2
     assert t2.reason in ("no_match", "decode_local_vetoed"), t2
+
+
+def test_a_decode_local_turn_is_retained_and_its_blocks_freed_with_its_lease(
+        pd_engines: PDEngines, broker_stub: broker_pb2_grpc.KVBrokerStub) -> None:
+    """A request the decode engine serves whole (DECODE_LOCAL) is retained like one from a prefill engine, and when
+    its lease expires its blocks go back to the pool. Before the fix they never did: the workers ignored the
+    release of a request that had not come through a pull."""
+    decode = pd_engines.decode
+    usage = lambda: metric(scrape(decode.url), "vllm:kv_cache_usage_perc")  # noqa: E731
+    wait_for(lambda: engines_registered(broker_stub), lambda ids: decode.engine_id in ids, timeout_s=60,
+             what="the decode engine registered")
+    for lease in leases_of(broker_stub, decode.engine_id):
+        broker_stub.RenewLease(pb.RenewLeaseRequest(lease_id=lease.lease_id, ttl_s=1.0), timeout=5)
+    wait_for(lambda: leases_of(broker_stub, decode.engine_id), lambda ls: not ls, timeout_s=30, what="no leases")
+    wait_for(usage, lambda u: u == 0.0, timeout_s=30, what="decode KV usage at zero")
+    body = {"model": pd_engines.model_name, "prompt": tokens(random.Random(21), 400), "max_tokens": 8,
+            "temperature": 0, "return_token_ids": True, "kv_transfer_params": decode_local_params("s-local")}
+    choice = post_json(f"{decode.url}/v1/completions", body)["choices"][0]
+    assert len(choice["token_ids"]) == 8
+    lease = wait_lease(broker_stub, decode.engine_id, "s-local", 400 // BS)
+    assert usage() > 0.0
+    broker_stub.RenewLease(pb.RenewLeaseRequest(lease_id=lease.lease_id, ttl_s=1.0), timeout=5)
+    wait_for(lambda: leases_of(broker_stub, decode.engine_id), lambda ls: not ls, timeout_s=30, what="lease expired")
+    wait_for(usage, lambda u: u == 0.0, timeout_s=30, what="the decode-local turn's blocks freed")
 
 
 @pytest.mark.stops_engines(order=0)  # before the test that stops every shared engine; leaves a new decode engine

@@ -104,6 +104,22 @@ def test_fit_recovers_a_known_cost_line_and_checks_it() -> None:
     assert check is not None and check.worst_gap() == pytest.approx(0.0, abs=1e-9)
 
 
+def test_holdout_fits_on_every_other_session_and_prices_the_rest() -> None:
+    # Sessions a and c (every other by name) follow TTFT = 50 ms + n / 1000 tokens/s; session b's turns take
+    # 80 ms + 1.2 ms a token: 200 / 560 / 920 ms, which the model fitted on a and c prices 150 / 450 / 750 ms.
+    # Nearest-rank p50/p95/p99 of three: the middle, the largest, the largest: gaps 110/560 and 170/920.
+    def turns(session: str, hop: float, per_token: float) -> list[TurnRecord]:
+        return [rec(session, i, i + 1, n, [], path="RECOMPUTE", computed_tokens=n, ttft_ms=hop + n * per_token)
+                for i, n in enumerate((100, 400, 700))]
+    records = turns("a", 50, 1.0) + turns("b", 80, 1.2) + turns("c", 50, 1.0)
+    held = costs.holdout_check(records, {})
+    assert held is not None and held.turns == 3
+    assert held.predicted == pytest.approx({"p50": 450.0, "p95": 750.0, "p99": 750.0})
+    assert held.measured == pytest.approx({"p50": 560.0, "p95": 920.0, "p99": 920.0})
+    assert held.worst_gap() == pytest.approx(110 / 560)
+    assert costs.holdout_check(turns("a", 50, 1.0), {}) is None  # one session: nothing to hold out
+
+
 def test_verdicts() -> None:
     grid = [retention.hits(retention.replay(RECORDS, Setting(ttl, b), FLEET), retention.ideal(RECORDS, FLEET), BS)
             for b in (3, 1000) for ttl in (10.0, 100.0)]
