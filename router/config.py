@@ -41,6 +41,9 @@ class RouterConfig(ServiceConfig):
                                               "(lengths, block-key digests, path, tokens, TTFT; no text or token "
                                               "ids); unset = no records")
     refresh_s: float = setting(2.0, "how often the engine list is refreshed from the broker")
+    unlisted_grace_s: float = setting(60.0, "an engine the broker stops listing stays a last resort this long: tried "
+                                            "for a decode retry or resume after every listed engine failed (its "
+                                            "sidecar may be down while the engine serves); 0 = never")
     port_file: str = setting("", "write the bound HTTP port here once serving (for launchers)")
     console_spans: bool = setting(False, "print OpenTelemetry spans to stderr (OTLP uses OTEL_* variables)")
     log_format: str = setting("auto", "log format: json, console, or auto", choices=LOG_FORMATS)
@@ -75,6 +78,7 @@ class RouterConfig(ServiceConfig):
         self._require(self.publication_wait_s >= 0, "publication_wait_s", "must be 0 or more")
         for name in ("request_timeout_s", "broker_timeout_s", "refresh_s", "engine_stall_s"):
             self._require(getattr(self, name) > 0, name, "must be positive")
+        self._require(self.unlisted_grace_s >= 0, "unlisted_grace_s", "must be 0 or more")
         check_files(self, "tls_", server=True)
         check_files(self, "broker_tls_", server=False)
         if self.api_key_file is not None:

@@ -40,16 +40,34 @@ class Directory:
             "prefill": [EngineInfo(f"prefill@{u}", "prefill", u) for u in config.urls("prefill_urls")],
             "decode": [EngineInfo(f"decode@{u}", "decode", u) for u in config.urls("decode_urls")],
         }
+        self.unlisted: dict[str, tuple[EngineInfo, float]] = {}
+        """Engines the broker listed before and lists no more, with when they went (:meth:`last_resort`)."""
+        self.unlisted_grace_s = config.unlisted_grace_s
         self._rr: dict[str, itertools.count[int]] = {}
         """One round-robin counter per role: with one shared, a turn that picks a prefill then a decode engine
         always landed on the same decode engine of two (seen in kvloop bench chaos)."""
 
-    def update(self, reply: pb.InspectResponse) -> None:
-        self.engines = {e.engine.engine_id: EngineInfo(e.engine.engine_id, ROLES.get(e.engine.role, "both"),
-                                                       e.engine.addresses.http.rstrip("/"), e.engine.addresses.nixl,
-                                                       e.engine.block_size, e.engine.layout_fingerprint,
-                                                       e.engine.model)
-                        for e in reply.engines}
+    def update(self, reply: pb.InspectResponse, now: float) -> None:
+        listed = {e.engine.engine_id: EngineInfo(e.engine.engine_id, ROLES.get(e.engine.role, "both"),
+                                                 e.engine.addresses.http.rstrip("/"), e.engine.addresses.nixl,
+                                                 e.engine.block_size, e.engine.layout_fingerprint, e.engine.model)
+                  for e in reply.engines}
+        for engine_id, info in self.engines.items():
+            if engine_id not in listed:
+                self.unlisted[engine_id] = (info, now)
+        self.unlisted = {k: (info, since) for k, (info, since) in self.unlisted.items()
+                         if k not in listed and now - since <= self.unlisted_grace_s}
+        self.engines = listed
+
+    def last_resort(self, role: str, model: str, now: float) -> list[EngineInfo]:
+        """Engines of ``role`` serving ``model`` that the broker stopped listing less than ``unlisted_grace_s``
+        ago. The broker lists an engine while its sidecar keeps it alive, so a sidecar restart hides a serving
+        engine; when every listed engine of a role has failed a turn, these are worth one try each (a dead one
+        refuses the connection at once). Seen in kvloop bench chaos: a sidecar restart on one decode engine and
+        a kill of the other, seconds apart, left a stream with nowhere to resume."""
+        return [info for info, since in self.unlisted.values()
+                if info.role in (role, "both") and info.http and info.serves(model)
+                and now - since <= self.unlisted_grace_s]
 
     def of_role(self, role: str, model: str = "") -> list[EngineInfo]:
         """Engines of ``role`` that serve ``model``; the configured URLs only while the broker lists none of the

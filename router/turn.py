@@ -183,7 +183,7 @@ class TurnRunner:
             if reply.store != "memory" and not reply.leader:
                 self.broker_answered = False
                 return
-            self.directory.update(reply)
+            self.directory.update(reply, time.monotonic())
             self.broker_answered = True
         except Exception as exc:  # the broker may be down: keep the last list
             self.broker_answered = False
@@ -320,7 +320,8 @@ class TurnRunner:
                             planned_local_tokens=int(plan.local_tokens) if plan else 0,
                             planned_pull_tokens=int(plan.pull_tokens) if plan else 0,
                             available_tokens=int(plan.cached_tokens_seen) if plan else 0)
-        prepared.decode_alternatives = [e for e in self.directory.of_role("decode", model)
+        prepared.decode_alternatives = [e for e in [*self.directory.of_role("decode", model),
+                                                    *self.directory.last_resort("decode", model, time.monotonic())]
                                         if e.engine_id != decode.engine_id]
         if plan is not None:
             span.set_attributes(plan_attributes(plan))

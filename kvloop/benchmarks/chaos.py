@@ -47,6 +47,9 @@ from kvloop.engines.config import EngineConfig, default_work_dir
 from kvloop.engines.model import ensure_tiny_model
 from kvloop.shared.http import sse_data, sse_measured
 
+RECOVERY_WAIT_S = 120.0
+"""After the last fault, spare sessions keep coming for at most this long until every repaired part has served a
+good turn (its recovery time is measured, not blank)."""
 NEAR_TIE = 0.05
 """Nats between the reference's top two choices at the first differing token: where greedy paths may part in
 float32 (the engine tests' tolerance)."""
@@ -63,6 +66,7 @@ class Run:
         self.streaming: dict[int, str] = {}
         """In-flight streams: id(record) -> the decode engine serving it (a fault's moment inside a turn)."""
         self.faults_done = asyncio.Event()
+        self.faults_done_at = 0.0
 
     def now(self) -> float:
         return round(time.monotonic() - self.t0, 3)
@@ -130,16 +134,25 @@ class Run:
                 history = prompt
             await asyncio.sleep(conv.think(turn, 0.5))
 
+    def recoveries_seen(self) -> bool:
+        """Whether every fired fault has had its first good turn on the repaired part, or ``RECOVERY_WAIT_S``
+        passed since the last fault: a recovery is measured, not left blank because traffic ran out."""
+        if self.now() > self.faults_done_at + RECOVERY_WAIT_S:
+            return True
+        return all(recovered_at(f, self.requests) is not None for f in self.fault_records if f.fired)
+
     async def traffic(self, conversations: list[Conversation], extra: list[Conversation]) -> None:
-        """The sessions, ``concurrency`` at a time; then, while faults remain, more sessions from ``extra`` (a fault
-        must land inside traffic), up to the deadline."""
+        """The sessions, ``concurrency`` at a time; then, while faults remain or a repaired part has not served a
+        good turn yet, more sessions from ``extra`` (a fault must land inside traffic), up to the deadline."""
         queue = list(conversations)
         spare = list(extra)
 
         async def worker(http: aiohttp.ClientSession) -> None:
             while True:
                 if not queue:
-                    if self.faults_done.is_set() or not spare or self.now() > self.args.deadline_s:
+                    if not spare or self.now() > self.args.deadline_s:
+                        return
+                    if self.faults_done.is_set() and self.recoveries_seen():
                         return
                     queue.append(spare.pop(0))
                 await self.session(http, queue.pop(0))
@@ -162,6 +175,7 @@ class Run:
                 print(f"  fault {record.kind} on {record.target or '-'} at {record.injected:.1f}s, repaired at "
                       f"{record.repaired:.1f}s{' (' + record.note + ')' if record.note else ''}", flush=True)
         finally:
+            self.faults_done_at = self.now()
             self.faults_done.set()
 
     async def streaming_decode(self, engines: list[str], pick: int, timeout_s: float = 60.0) -> str | None:

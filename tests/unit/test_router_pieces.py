@@ -63,7 +63,8 @@ def test_directory_prefers_the_broker_list_and_round_robins() -> None:
     assert d.layout() is None
     d.update(inspect_reply(("p1", pb.ENGINE_ROLE_PREFILL, "http://p1:8000"), ("p2", pb.ENGINE_ROLE_PREFILL,
                                                                               "http://p2:8000/"),
-                           ("d1", pb.ENGINE_ROLE_DECODE, "http://d1:8000"), ("b1", pb.ENGINE_ROLE_BOTH, "http://b1:1")))
+                           ("d1", pb.ENGINE_ROLE_DECODE, "http://d1:8000"), ("b1", pb.ENGINE_ROLE_BOTH, "http://b1:1")),
+             now=0.0)
     assert {e.engine_id for e in d.of_role("prefill")} == {"p1", "p2", "b1"}
     assert {e.engine_id for e in d.of_role("decode")} == {"d1", "b1"}
     picks = {d.pick("prefill").engine_id for _ in range(6)}  # type: ignore[union-attr]
@@ -91,14 +92,34 @@ def test_directory_places_each_model_with_its_own_engines_and_layout() -> None:
         engine("a-p", pb.ENGINE_ROLE_PREFILL, "fp-a", "model-a"),
         engine("a-d", pb.ENGINE_ROLE_DECODE, "fp-a", "model-a"),
         engine("b-p", pb.ENGINE_ROLE_PREFILL, "fp-b", "model-b", 16),
-        engine("b-d", pb.ENGINE_ROLE_DECODE, "fp-b", "model-b", 16)]))
+        engine("b-d", pb.ENGINE_ROLE_DECODE, "fp-b", "model-b", 16)]), now=0.0)
     assert d.layout("model-a") == ("fp-a", 128) and d.layout("model-b") == ("fp-b", 16)
     assert {e.engine_id for e in d.of_role("prefill", "model-a")} == {"a-p"}
     assert {e.engine_id for e in d.of_role("decode", "model-b")} == {"b-d", "bogus"}  # said nothing: any model
     assert d.models() == {"model-a", "model-b"} and d.knows("model-a") and d.knows("model-c")  # bogus serves any
-    d.update(pb.InspectResponse(engines=[engine("a-p", pb.ENGINE_ROLE_PREFILL, "fp-a", "model-a")]))
+    d.update(pb.InspectResponse(engines=[engine("a-p", pb.ENGINE_ROLE_PREFILL, "fp-a", "model-a")]), now=1.0)
     assert not d.knows("model-c") and d.layout("model-c") is None and d.of_role("prefill", "model-c") == []
     assert d.of_role("decode", "model-a") == []  # the broker lists no decode engine: the configured URLs (none)
+
+
+def test_an_engine_the_broker_stops_listing_stays_a_last_resort_for_a_while() -> None:
+    d = Directory(RouterConfig(broker="127.0.0.1:1", unlisted_grace_s=30.0))
+    both = inspect_reply(("d1", pb.ENGINE_ROLE_DECODE, "http://d1:1"), ("d2", pb.ENGINE_ROLE_DECODE, "http://d2:1"),
+                         ("p1", pb.ENGINE_ROLE_PREFILL, "http://p1:1"))
+    d.update(both, now=0.0)
+    assert d.last_resort("decode", "", now=0.0) == []
+    # d2's sidecar restarts: the broker lists d1 and p1 only; d2 is a last resort, not a listed engine.
+    d.update(inspect_reply(("d1", pb.ENGINE_ROLE_DECODE, "http://d1:1"), ("p1", pb.ENGINE_ROLE_PREFILL,
+                                                                           "http://p1:1")), now=10.0)
+    assert [e.engine_id for e in d.of_role("decode")] == ["d1"]
+    assert [e.engine_id for e in d.last_resort("decode", "", now=12.0)] == ["d2"]
+    assert d.last_resort("prefill", "", now=12.0) == [] and d.last_resort("decode", "", now=40.1) == []
+    d.update(both, now=20.0)  # listed again: no longer a last resort
+    assert d.last_resort("decode", "", now=20.0) == []
+    d.update(inspect_reply(("p1", pb.ENGINE_ROLE_PREFILL, "http://p1:1")), now=30.0)
+    d.update(inspect_reply(("p1", pb.ENGINE_ROLE_PREFILL, "http://p1:1")), now=61.0)  # past the grace: forgotten
+    assert d.last_resort("decode", "", now=61.0) == [] and d.unlisted == {}
+    assert Directory(RouterConfig(broker="127.0.0.1:1", unlisted_grace_s=0.0)).last_resort("decode", "", 0.0) == []
 
 
 def test_transfer_params_name_the_pinned_prefix() -> None:
