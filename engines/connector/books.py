@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvloop.shared.protocol import PrefillReport, prefill_report, retainable_blocks
@@ -77,6 +77,12 @@ def split_lease_reads(notifs: Mapping[str, list[bytes]], prefix: bytes) -> tuple
         if rest:
             kept[agent] = rest
     return kept, reads
+
+
+def peers_to_rehandshake(failed: Collection[str], invalid: Collection[str], known: Collection[str]) -> list[str]:
+    """Peers a read failed from since the last cleanup, known to this agent and not yet marked invalid: each gets a
+    fresh handshake (see ``KvloopConnectorWorker._cleanup_remote_engines``)."""
+    return sorted(e for e in failed if e not in invalid and e in known)
 
 
 def bytes_per_block(tensor_sizes: Sequence[int], num_blocks: int) -> int:

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
 
-from kvloop.engines.connector.books import split_lease_reads
+from kvloop.engines.connector.books import peers_to_rehandshake, split_lease_reads
 from kvloop.engines.connector.patches import nixl_progress_delay
 from kvloop.shared.protocol import LEASE_READ_PREFIX, ConnectorSettings
 
@@ -65,3 +66,18 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
         wrapper: Any = getattr(self, "nixl_wrapper", None)
         if wrapper is not None:
             self.nixl_wrapper = CountingNotifs(wrapper)
+
+    def _cleanup_remote_engines(self) -> None:
+        """Upstream's cleanup, after a peer that failed a read is marked for a fresh handshake.
+
+        Upstream re-handshakes a peer only when the peer's NIXL metadata is gone from this agent. A peer that froze
+        (SIGSTOP past UCX's keep-alive) or restarted under the same engine id leaves that metadata in place and its
+        endpoint disconnected, and every later read from it failed with ``NIXL_ERR_REMOTE_DISCONNECT``: in kvloop
+        bench chaos a prefill engine recomputed every turn it should have pulled from a decode engine for the rest
+        of the run after that engine's 10 s freeze. Marked invalid, the peer is released once its reads drain and
+        the next read handshakes again; upstream's backoff (1 s doubling to 60 s) bounds how often."""
+        now = time.perf_counter()
+        for engine_id in peers_to_rehandshake(self._failed_remote_engines, self._invalid_remote_engines,
+                                              self._remote_agents):
+            self._mark_remote_engine_invalid(engine_id, now)
+        super()._cleanup_remote_engines()

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import math
 import signal
 import sys
 import time
@@ -47,6 +49,13 @@ from kvloop.engines.config import EngineConfig, default_work_dir
 from kvloop.engines.model import ensure_tiny_model
 from kvloop.shared.http import sse_data, sse_measured
 
+REFERENCE_CONCURRENCY = 4
+SPARE_AGENTS = 4
+SAMPLE_S = 10.0
+SOAK_MIN_SERIES_S = 300.0
+SOAK_MAX_MB_PER_MIN = 1.0
+"""A broker process whose memory grew faster than this over at least SOAK_MIN_SERIES_S of traffic fails the run: a
+leak of even a few hundred bytes per turn shows (the scale benchmark puts a retained block at 280-420 B)."""
 RECOVERY_WAIT_S = 120.0
 """After the last fault, spare sessions keep coming for at most this long until every repaired part has served a
 good turn (its recovery time is measured, not blank)."""
@@ -67,6 +76,9 @@ class Run:
         """In-flight streams: id(record) -> the decode engine serving it (a fault's moment inside a turn)."""
         self.faults_done = asyncio.Event()
         self.faults_done_at = 0.0
+        self.soak_s = 0.0
+        """Traffic lasts at least this long (spare sessions keep coming), for the soak's samples."""
+        self.samples: list[dict[str, Any]] = []
 
     def now(self) -> float:
         return round(time.monotonic() - self.t0, 3)
@@ -152,13 +164,26 @@ class Run:
                 if not queue:
                     if not spare or self.now() > self.args.deadline_s:
                         return
-                    if self.faults_done.is_set() and self.recoveries_seen():
+                    if self.faults_done.is_set() and self.recoveries_seen() and self.now() >= self.soak_s:
                         return
                     queue.append(spare.pop(0))
                 await self.session(http, queue.pop(0))
 
         async with aiohttp.ClientSession() as http:
             await asyncio.gather(*(worker(http) for _ in range(self.args.concurrency)))
+
+    async def sample_forever(self, period_s: float = SAMPLE_S) -> None:
+        """Every ``period_s``: each broker replica's resident memory (and pid: a restart starts a new series) and
+        the blocks each decode engine holds. The soak's figures come from these."""
+        c = self.cluster
+        while True:
+            row: dict[str, Any] = {"t": round(self.now(), 1), "rss": c.rss_bytes(),
+                                   "pids": {k: p.popen.pid for k, p in c.brokers.items()}, "blocks": {}}
+            for eid in c.roles("decode"):
+                with contextlib.suppress(Exception):  # an engine down for a fault has no figure
+                    row["blocks"][eid] = (await asyncio.to_thread(c.engine_blocks, eid))[0]
+            self.samples.append(row)
+            await asyncio.sleep(period_s)
 
     # Faults.
 
@@ -314,24 +339,30 @@ async def check_answers(model: Path, work: Path, requests: list[RequestRecord]) 
     (engine,) = list(engines)
     wrong: list[dict[str, Any]] = []
     near_ties = 0
+    # A few at a time: the reference batches them (float32: a batch's rounding differs from a lone request's by far
+    # less than the near-tie margin), and the check takes a third of the time it took one by one.
+    gate = asyncio.Semaphore(REFERENCE_CONCURRENCY)
+
+    async def check(http: aiohttp.ClientSession, r: RequestRecord) -> None:
+        nonlocal near_ties
+        body = {"model": model.name, "prompt": r.prompt, "max_tokens": r.max_tokens, "temperature": 0,
+                "ignore_eos": True, "logprobs": 2, "return_token_ids": True}
+        async with gate, http.post(f"{engine.url}/v1/completions", json=body) as reply:
+            choice = (await reply.json())["choices"][0]
+        want = list(choice.get("token_ids") or [])
+        at = first_divergence(r.output or [], want)
+        if at is None:
+            return
+        tops = sorted((choice["logprobs"]["top_logprobs"][at] or {}).values(), reverse=True) if at < len(want) else []
+        if len(tops) >= 2 and tops[0] - tops[1] < NEAR_TIE:
+            near_ties += 1
+            return
+        wrong.append({"session": r.session, "turn": r.turn, "position": at, "path": r.path, "reason": r.reason,
+                      "prefill": r.prefill_engine, "decode": r.decode_engine})
+
     try:
         async with aiohttp.ClientSession() as http:
-            for r in (r for r in requests if r.ok):
-                body = {"model": model.name, "prompt": r.prompt, "max_tokens": r.max_tokens, "temperature": 0,
-                        "ignore_eos": True, "logprobs": 2, "return_token_ids": True}
-                async with http.post(f"{engine.url}/v1/completions", json=body) as reply:
-                    choice = (await reply.json())["choices"][0]
-                want = list(choice.get("token_ids") or [])
-                at = first_divergence(r.output or [], want)
-                if at is None:
-                    continue
-                tops = sorted((choice["logprobs"]["top_logprobs"][at] or {}).values(), reverse=True) \
-                    if at < len(want) else []
-                if len(tops) >= 2 and tops[0] - tops[1] < NEAR_TIE:
-                    near_ties += 1
-                    continue
-                wrong.append({"session": r.session, "turn": r.turn, "position": at, "path": r.path,
-                              "reason": r.reason, "prefill": r.prefill_engine, "decode": r.decode_engine})
+            await asyncio.gather(*(check(http, r) for r in requests if r.ok))
     finally:
         await asyncio.to_thread(engines.stop)
     checked = sum(1 for r in requests if r.ok)
@@ -389,12 +420,16 @@ async def run_phase(name: str, model: Path, work: Path, args: argparse.Namespace
         rss_before = cluster.rss_bytes()
         run = Run(cluster, args, faults)
         print(f"== {name}: {len(conversations)} sessions, {len(faults)} faults", flush=True)
+        run.soak_s = args.soak_s if faults or not args.baseline else 0.0
         fault_task = asyncio.create_task(run.fault_loop(args.deadline_s))
+        sampler = asyncio.create_task(run.sample_forever())
         if not faults:
             run.faults_done.set()
         await run.traffic(conversations, extra)
         await fault_task
+        sampler.cancel()
         out = figures(run)
+        out["soak"] = soak_figures(run.samples)
         print(f"== {name}: {out['requests']} requests, {out['ok']} answered, errors {out['errors'] or 'none'}; "
               "checking the books", flush=True)
         out["books"] = await check_books(cluster, settings.lease_ttl_s)
@@ -405,6 +440,30 @@ async def run_phase(name: str, model: Path, work: Path, args: argparse.Namespace
         return out, run.requests
     finally:
         await cluster.stop()
+
+
+def soak_figures(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """Growth of each broker process's memory over its own samples (a restarted replica starts a new series; only
+    series of at least ``SOAK_MIN_SERIES_S`` count), and the decode engines' held blocks over the run."""
+    series: dict[tuple[str, int], list[tuple[float, int]]] = {}
+    for row in samples:
+        for replica, rss in row["rss"].items():
+            series.setdefault((replica, row["pids"].get(replica, 0)), []).append((row["t"], rss))
+    growth = []
+    for (replica, _), points in series.items():
+        span = points[-1][0] - points[0][0]
+        if span >= SOAK_MIN_SERIES_S:
+            # From the end of the first minute (imports and caches warm) to the last sample.
+            warm = next((p for p in points if p[0] >= points[0][0] + 60.0), points[0])
+            growth.append({"replica": replica, "span_s": round(span), "rss_warm_mb": round(warm[1] / 2**20, 1),
+                           "rss_last_mb": round(points[-1][1] / 2**20, 1),
+                           "mb_per_min": round((points[-1][1] - warm[1]) / 2**20 / max(1.0, points[-1][0] - warm[0])
+                                               * 60, 3)})
+    blocks = [sum(row["blocks"].values()) for row in samples if row["blocks"]]
+    return {"samples": len(samples), "span_s": samples[-1]["t"] - samples[0]["t"] if samples else 0.0,
+            "broker_rss": growth,
+            "decode_blocks": {"max": max(blocks, default=0), "last": blocks[-1] if blocks else 0,
+                              "timeline": [[row["t"], row["blocks"]] for row in samples]}}
 
 
 def verdict(phase: dict[str, Any], answers: dict[str, Any]) -> list[str]:
@@ -420,9 +479,30 @@ def verdict(phase: dict[str, Any], answers: dict[str, Any]) -> list[str]:
         problems.append(f"the books disagree: {phase['books']['settled']}")
     if not phase["books"]["after_ttl"]["baseline"]:
         problems.append(f"not back to baseline after the leases' TTL: {phase['books']['after_ttl']}")
+    growing = [g for g in phase.get("soak", {}).get("broker_rss", []) if g["mb_per_min"] > SOAK_MAX_MB_PER_MIN]
+    if growing:
+        problems.append(f"broker memory grew over the soak: {growing}")
     if phase["freed_while_pinned"]:
         problems.append(f"blocks freed while pinned: {phase['freed_while_pinned'][:3]}")
     return problems
+
+
+def spare_sessions(spec: AgentSpec, args: argparse.Namespace) -> list[Conversation]:
+    """Sessions that keep traffic going while faults remain, a repaired part has not served yet, or the soak runs.
+
+    They come from ``SPARE_AGENTS`` kinds of agent, each with its own system prompt, taken in turn: with one shared
+    prompt every new session followed it to the decode engine that held it, and a restarted decode engine served no
+    turn for the rest of the run (no recovery time to measure). Enough for the deadline at a turn a second."""
+    per_agent = max(8, math.ceil(args.deadline_s / SPARE_AGENTS / max(1, args.turns)))
+    kinds = [agent(AgentSpec(**{**asdict(spec), "seed": args.seed + 7919 + k, "sessions": per_agent}))
+             for k in range(SPARE_AGENTS)]
+    out = []
+    for i in range(per_agent):
+        for k, sessions in enumerate(kinds):
+            conv = sessions[i]
+            conv.conversation_id = f"spare-{k}-{i}"
+            out.append(conv)
+    return out
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -437,7 +517,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                      seed=args.seed)
     # Spare sessions keep traffic going while faults remain (engine restarts take minutes on a loaded machine);
     # the deadline bounds them.
-    extra = agent(AgentSpec(**{**asdict(spec), "seed": args.seed + 7919, "sessions": 64}))
+    extra = spare_sessions(spec, args)
     faults = schedule(args.seed, args.rounds, hold_s=settings.hold_s, unresponsive_s=settings.engine_unresponsive_s,
                       kinds=args.faults.split(","))
     result: dict[str, Any] = {"workload": asdict(spec) | {"concurrency": args.concurrency}, "seed": args.seed}
@@ -468,6 +548,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attempts", type=int, default=3, help="tries per turn before a session moves on")
     parser.add_argument("--client-timeout-s", type=float, default=180.0, help="a request past this is a hang")
     parser.add_argument("--deadline-s", type=float, default=1800.0, help="no fault or extra session after this")
+    parser.add_argument("--soak-s", type=float, default=0.0,
+                        help="the chaos phase's traffic lasts at least this long (a soak: broker memory and held "
+                             "blocks sampled every 10 s, growth checked); 600 for the 10-minute soak")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work-dir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=None, help="write the figures here (JSON)")
@@ -488,6 +571,8 @@ def validate(args: argparse.Namespace) -> str:
     unknown = set(args.faults.split(",")) - set(KINDS)
     if unknown:
         return f"--faults: unknown {sorted(unknown)}; choose from {list(KINDS)}"
+    if not 0 <= args.soak_s <= args.deadline_s:
+        return "--soak-s: must be within 0..--deadline-s"
     if args.attempts < 1 or args.client_timeout_s <= 0 or args.deadline_s <= 0:
         return "--attempts, --client-timeout-s, --deadline-s: must be positive"
     return ""
@@ -509,5 +594,8 @@ def main(args: argparse.Namespace) -> int:
         if name in result:
             summary[name] = {k: result[name][k] for k in ("requests", "ok", "errors", "hangs", "ttft_ms", "recovery_s",
                                                           "faults_fired", "faults_not_fired", "wall_s", "books")}
+            soak = result[name].get("soak", {})
+            summary[name]["soak"] = {k: v for k, v in soak.items() if k != "decode_blocks"} | {
+                "decode_blocks": {k: v for k, v in soak.get("decode_blocks", {}).items() if k != "timeline"}}
     print(json.dumps(summary, indent=1, default=str))
     return 1 if any(result["problems"].values()) else 0

@@ -8,7 +8,13 @@ import argparse
 import pytest
 
 from kvloop.engines.config import EngineConfig
-from kvloop.engines.connector.books import PrefillBooks, bytes_per_block, retain, split_lease_reads
+from kvloop.engines.connector.books import (
+    PrefillBooks,
+    bytes_per_block,
+    peers_to_rehandshake,
+    retain,
+    split_lease_reads,
+)
 from kvloop.engines.sidecar.books import LeaseBooks, Throughput, engine_load
 from kvloop.shared.config import join_dashed_values
 from kvloop.shared.protocol import (
@@ -115,3 +121,23 @@ def test_dashed_values_pass_through_in_the_form_users_type_them() -> None:
     args = parser.parse_args(join_dashed_values(argv, EngineConfig.dashed_value_flags()))
     assert args.extra_vllm_args == "--no-enable-prefix-caching" and args.model == "m"
     assert EngineConfig(extra_vllm_args=args.extra_vllm_args).extra_args() == ["--no-enable-prefix-caching"]
+
+
+def test_a_peer_that_failed_a_read_is_handshaken_again_once() -> None:
+    # decode-3 failed a read and is known: marked. decode-2 is already marked (its backoff runs); prefill-9 is not
+    # known to this agent (its handshake never finished): nothing to release.
+    assert peers_to_rehandshake({"decode-3", "decode-2", "prefill-9"}, {"decode-2"},
+                                {"decode-3": {}, "decode-2": {}}) == ["decode-3"]
+    assert peers_to_rehandshake(set(), set(), {"decode-3": {}}) == []
+
+
+def test_the_upstream_worker_still_has_what_the_rehandshake_uses() -> None:
+    """The override leans on upstream's private peer bookkeeping: an upgrade that renames it must fail here."""
+    import inspect
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+
+    source = inspect.getsource(base_worker.NixlBaseConnectorWorker)
+    for name in ("self._failed_remote_engines", "self._invalid_remote_engines", "self._remote_agents",
+                 "def _cleanup_remote_engines", "def _mark_remote_engine_invalid"):
+        assert name in source, name

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvloop.benchmarks.chaos import soak_figures, verdict
 from kvloop.benchmarks.chaos_faults import (
     KINDS,
     FaultRecord,
@@ -49,3 +50,19 @@ def test_fault_windows_and_divergence() -> None:
     assert not in_window(req(1, 9.9), faults) and not in_window(req(55, 58), faults)  # not fired: no window
     assert first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert first_divergence([1, 9, 3], [1, 2, 3]) == 1 and first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def test_soak_growth_is_per_broker_process_and_fails_the_run_past_the_limit() -> None:
+    # Replica a grows 1 MiB a minute, then is restarted (a new pid: a new series, too short to count); b is flat.
+    rows = [{"t": float(t), "pids": {"a": 1 if t < 400 else 2, "b": 3},
+             "rss": {"a": (100 * 2**20 + t * 2**20 // 60) if t < 400 else 50 * 2**20, "b": 80 * 2**20},
+             "blocks": {"decode-2": t // 10}} for t in range(0, 700, 10)]
+    soak = soak_figures(rows)
+    assert [(g["replica"], g["span_s"], g["mb_per_min"]) for g in soak["broker_rss"]] == [("a", 390, 1.0),
+                                                                                          ("b", 690, 0.0)]
+    assert soak["decode_blocks"]["max"] == 69 and soak["decode_blocks"]["last"] == 69
+    phase = {"hangs": 0, "errors": {}, "freed_while_pinned": [], "soak": soak,
+             "books": {"settled": {"agree": True}, "after_ttl": {"baseline": True}}}
+    assert verdict(phase, {"wrong": []}) == []  # 1.0 MB/min is the limit, not over it
+    soak["broker_rss"][0]["mb_per_min"] = 1.5
+    assert "broker memory grew" in verdict(phase, {"wrong": []})[0]
