@@ -85,10 +85,16 @@ def markdown(a: Analysis, source: str, plots: list[str]) -> str:
         w = a.with_return.get("all")
         if w and measured:
             seen = spread(measured)
-            out += ["", f"The replay's own prediction (each turn on the path the broker's core planned at the "
-                    f"starting setting, without the engines' prefix caches): p50/p95/p99 {w['p50']:.1f}/"
-                    f"{w['p95']:.1f}/{w['p99']:.1f} ms against measured {seen['p50']:.1f}/{seen['p95']:.1f}/"
-                    f"{seen['p99']:.1f} ms."]
+            out += ["", f"The replay's own prediction (each turn on the path the broker's core planned, without the "
+                    f"engines' prefix caches), against measured {seen['p50']:.1f}/{seen['p95']:.1f}/"
+                    f"{seen['p99']:.1f} ms (p50/p95/p99): at the starting setting {w['p50']:.1f}/{w['p95']:.1f}/"
+                    f"{w['p99']:.1f} ms"]
+            if a.generous is not None:
+                (g_setting, g) = a.generous
+                out[-1] += (f"; at the grid's most generous setting (TTL {g_setting.ttl_s:g} s, "
+                            f"{g_setting.budget_blocks} blocks per engine) {g['p50']:.1f}/{g['p95']:.1f}/"
+                            f"{g['p99']:.1f} ms")
+            out[-1] += "."
     if plots:
         out += ["", "## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
     return "\n".join(out) + "\n"

@@ -4,8 +4,10 @@ budgets, eviction policy and placement), with the time the records give.
 Each turn is placed when it arrives and published as a lease by the decode engine the plan chose when it ends, as
 a decode engine with kvloop's connector does. The replay feeds the engines' loads with the turns in flight, so
 sessions spread over decode engines the way the broker spreads them. What is not replayed: the engines' own
-prefix caches (the soft index; a lower bound on reuse), pins (a pull never blocks an eviction here), and the
-answer's blocks (no keys in the records).
+prefix caches (the soft index; a lower bound on reuse) and pins (a pull never blocks an eviction here). The
+records carry no keys for a turn's answer; the replay takes them from the session's next prompt when it extends
+this one (an agent loop resends the history), as far as the answer's length reaches, so a lease holds the prompt
+and the answer the way a decode engine's does.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from kvloop.broker.core import (
 from kvloop.router.records import TurnRecord
 from kvloop.shared.errors import ConfigError, ResourceExhausted
 from kvloop.shared.hashing import KEY_BYTES
+from kvloop.shared.protocol import retainable_blocks
 
 FINGERPRINT = "analyze"
 UNLIMITED_BUDGET = Limits().max_retention_budget_blocks
@@ -115,6 +118,7 @@ def replay(records: Sequence[TurnRecord], setting: Setting, fleet: Fleet) -> Rep
     # Ends before arrivals at the same instant: a turn that starts as the previous one ends finds its lease.
     events = sorted([(r.t, 1, i) for i, r in enumerate(records)] + [(r.t_end, 0, i) for i, r in enumerate(records)])
     plans: dict[int, Plan] = {}
+    retained = retained_keys(records)
     block_ids: dict[str, dict[bytes, int]] = {e: {} for e, _, _ in engines}
     result = Replay(setting, [])
     for now, arrival, i in events:
@@ -133,10 +137,10 @@ def replay(records: Sequence[TurnRecord], setting: Setting, fleet: Fleet) -> Rep
             report(engine_id, now)
             if not rec.error:
                 ids_of = block_ids[engine_id]
-                blocks = [ids_of.setdefault(k, len(ids_of)) for k in keys]
+                held = [_key(k) for k in retained[i]]
+                blocks = [ids_of.setdefault(k, len(ids_of)) for k in held]
                 try:
-                    state.publish(engine_id, rec.session, keys, blocks, rec.prompt_tokens,
-                                  setting.ttl_s, now)
+                    state.publish(engine_id, rec.session, held, blocks, len(held) * bs, setting.ttl_s, now)
                 except ResourceExhausted:
                     result.refused += 1
         for change in state.take_changes().commands:
@@ -147,6 +151,29 @@ def replay(records: Sequence[TurnRecord], setting: Setting, fleet: Fleet) -> Rep
         result.outcomes.append(Outcome(placed.decision.value, placed.matched_blocks, placed.recompute_tokens,
                                        placed.pull_tokens) if placed else Outcome("RECOMPUTE", 0, rec.prompt_tokens, 0))
     return result
+
+
+def retained_keys(records: Sequence[TurnRecord]) -> list[tuple[str, ...]]:
+    """Per record, the block keys its decode engine retains: its prompt's, and as many more of the session's next
+    prompt as its answer fills (``retainable_blocks`` of prompt plus answer), when that prompt starts with this
+    one's keys. Without a next prompt, or when it does not extend this one, the prompt's keys only."""
+    following: dict[int, int] = {}
+    last: dict[str, int] = {}
+    for i in sorted(range(len(records)), key=lambda i: records[i].t):
+        session = records[i].session
+        if session and session in last:
+            following[last[session]] = i
+        if session:
+            last[session] = i
+    out = []
+    for i, rec in enumerate(records):
+        keys = rec.keys
+        nxt = records[following[i]] if i in following else None
+        if nxt is not None and nxt.keys[:len(keys)] == keys and rec.output_tokens > 0:
+            reach = retainable_blocks(rec.prompt_tokens + rec.output_tokens - 1, max(rec.block_size, 1))
+            keys = nxt.keys[:max(len(keys), reach)]
+        out.append(keys)
+    return out
 
 
 def ideal(records: Sequence[TurnRecord], fleet: Fleet) -> Replay:

@@ -71,6 +71,20 @@ def test_retention_replays_ttls_through_the_core() -> None:
     assert matched(retention.replay(RECORDS, Setting(100.0, 1000), FLEET)) == [0, 0, 2, 1, 3]
 
 
+def test_a_lease_holds_the_answer_blocks_the_next_prompt_names() -> None:
+    # a's first turn: 10 prompt tokens and a 5-token answer: 14 tokens with KV, 3 full blocks of 4; the next prompt
+    # (k1 k2 k3) extends it, so the lease holds k1 k2 k3. b's next prompt does not extend its first (m2 -> x): its
+    # prompt's keys only. A last turn has no next prompt: its own keys.
+    records = [rec("a", 0.0, 1.0, 10, ["k1", "k2"], output_tokens=5), rec("b", 2.0, 2.5, 9, ["m1", "m2"],
+                                                                           output_tokens=8),
+               rec("a", 3.0, 4.0, 14, ["k1", "k2", "k3"]), rec("b", 5.0, 6.0, 9, ["m1", "x"])]
+    assert retention.retained_keys(records) == [(k("k1"), k("k2"), k("k3")), (k("m1"), k("m2")),
+                                                (k("k1"), k("k2"), k("k3")), (k("m1"), k("x"))]
+    # A 1-token answer fills no new block: (10 + 1 - 1) // 4 = 2.
+    records[0] = rec("a", 0.0, 1.0, 10, ["k1", "k2"], output_tokens=1)
+    assert retention.retained_keys(records)[0] == (k("k1"), k("k2"))
+
+
 def test_retention_budget_evicts_the_least_recently_used() -> None:
     # Budget 4: b1 joins a1 (4 blocks); a2 (3 blocks, superseding a1) evicts b1; b2 evicts a2: only a2 finds its.
     assert matched(retention.replay(RECORDS, Setting(1000.0, 4), FLEET)) == [0, 0, 2, 0, 0]
