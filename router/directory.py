@@ -63,9 +63,12 @@ class Directory:
         """Engines of ``role`` serving ``model`` that the broker stopped listing less than ``unlisted_grace_s``
         ago. The broker lists an engine while its sidecar keeps it alive, so a sidecar restart hides a serving
         engine; when every listed engine of a role has failed a turn, these are worth one try each (a dead one
-        refuses the connection at once). Seen in kvloop bench chaos: a sidecar restart on one decode engine and
-        a kill of the other, seconds apart, left a stream with nowhere to resume."""
-        return [info for info, since in self.unlisted.values()
+        refuses the connection at once); when the broker lists no engine of the role at all, the turn starts on
+        one. Seen in kvloop bench chaos: a sidecar restart on one decode engine and a kill of the other, seconds
+        apart, left a stream with nowhere to resume, and the next turn with no decode engine at all. The latest
+        to go comes first: an engine whose sidecar restarts drops after one that died with its engine."""
+        recent = sorted(self.unlisted.values(), key=lambda item: -item[1])  # the latest to go first
+        return [info for info, since in recent
                 if info.role in (role, "both") and info.http and info.serves(model)
                 and now - since <= self.unlisted_grace_s]
 

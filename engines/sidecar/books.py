@@ -20,15 +20,30 @@ class LeaseBooks:
 
     held: dict[str, str] = field(default_factory=dict)       # request id -> lease id
     by_lease: dict[str, str] = field(default_factory=dict)   # lease id -> request id
+    publishing: set[str] = field(default_factory=set)        # request ids whose PublishLease is in flight
     last_seq: int = 0
 
+    def claim(self, request_id: str) -> bool:
+        """Whether to publish a retained request: False when it already has a lease or one is on its way.
+
+        A connector that re-attaches re-sends every request it retains, and a request that finished while no
+        sidecar was attached is also in its queue: the same request came twice, got two leases over the same
+        blocks, and when the first was superseded the engine freed the blocks the second still offered (kvloop
+        bench chaos counted reads of them as freed while pinned)."""
+        if request_id in self.held or request_id in self.publishing:
+            return False
+        self.publishing.add(request_id)
+        return True
+
     def published(self, request_id: str, lease_id: str) -> None:
+        self.publishing.discard(request_id)
         self.held[request_id] = lease_id
         self.by_lease[lease_id] = request_id
 
     def forget(self, request_ids: Iterable[str]) -> None:
         """The connector is told to free these: they hold no lease any more."""
         for rid in request_ids:
+            self.publishing.discard(rid)
             lease = self.held.pop(rid, None)
             if lease is not None:
                 self.by_lease.pop(lease, None)
@@ -60,6 +75,7 @@ class LeaseBooks:
     def clear(self) -> None:
         self.held.clear()
         self.by_lease.clear()
+        self.publishing.clear()
 
 
 def ewma(old: float, new: float, weight: float = 0.3) -> float:

@@ -86,7 +86,10 @@ class Sidecar(engine_link_pb2_grpc.EngineLinkServicer):
             if kind == "hello":
                 await self._on_hello(event.hello)
             elif kind == "retained":
-                self._spawn(self._publish(event.retained))
+                if self.books.claim(event.retained.request_id):
+                    self._spawn(self._publish(event.retained))
+                else:
+                    log.info("lease.duplicate_retained", request=event.retained.request_id)
             elif kind == "freed":
                 self._on_freed(event.freed)
             elif kind == "prefill_done":

@@ -100,6 +100,19 @@ def test_lease_books_resync_evict_and_engine_frees() -> None:
     assert books.held == {} and books.by_lease == {}
 
 
+def test_a_retained_request_sent_twice_is_published_once() -> None:
+    books = LeaseBooks()
+    assert books.claim("r1") and not books.claim("r1")  # the second copy while the first publication is in flight
+    books.published("r1", "L1")
+    assert not books.claim("r1")  # and after it
+    books.forget(["r1"])
+    assert books.claim("r1")  # freed and retained again later (a new request id in practice): published anew
+    books.forget(["r1"])  # a failed publication releases it
+    assert books.publishing == set() and books.claim("r2")
+    books.clear()
+    assert books.publishing == set()
+
+
 def test_load_report_and_throughput() -> None:
     calm = engine_load({"running": 2, "waiting": 0, "kv_usage": 0.95}, num_blocks=100, pressure_kv_usage=0.9)
     assert not calm.memory_pressure and calm.pressure_free_blocks == 0

@@ -114,6 +114,8 @@ def test_an_engine_the_broker_stops_listing_stays_a_last_resort_for_a_while() ->
     assert [e.engine_id for e in d.of_role("decode")] == ["d1"]
     assert [e.engine_id for e in d.last_resort("decode", "", now=12.0)] == ["d2"]
     assert d.last_resort("prefill", "", now=12.0) == [] and d.last_resort("decode", "", now=40.1) == []
+    d.update(inspect_reply(("p1", pb.ENGINE_ROLE_PREFILL, "http://p1:1")), now=11.0)  # d1 goes too, later
+    assert [e.engine_id for e in d.last_resort("decode", "", now=12.0)] == ["d1", "d2"]  # the latest first
     d.update(both, now=20.0)  # listed again: no longer a last resort
     assert d.last_resort("decode", "", now=20.0) == []
     d.update(inspect_reply(("p1", pb.ENGINE_ROLE_PREFILL, "http://p1:1")), now=30.0)
