@@ -41,9 +41,9 @@ class RouterConfig(ServiceConfig):
                                               "(lengths, block-key digests, path, tokens, TTFT; no text or token "
                                               "ids); unset = no records")
     refresh_s: float = setting(2.0, "how often the engine list is refreshed from the broker")
-    unlisted_grace_s: float = setting(60.0, "an engine the broker stops listing stays a last resort this long: tried "
-                                            "for a decode retry or resume after every listed engine failed (its "
-                                            "sidecar may be down while the engine serves); 0 = never")
+    unlisted_grace_s: float = setting(60.0, "an engine the broker stops listing stays a last resort this long: used "
+                                            "when no engine of its role is listed, or after every listed one failed "
+                                            "(its sidecar may be down while the engine serves); 0 = never")
     port_file: str = setting("", "write the bound HTTP port here once serving (for launchers)")
     console_spans: bool = setting(False, "print OpenTelemetry spans to stderr (OTLP uses OTEL_* variables)")
     log_format: str = setting("auto", "log format: json, console, or auto", choices=LOG_FORMATS)
