@@ -56,21 +56,19 @@ class Directory:
             if engine_id not in listed:
                 self.unlisted[engine_id] = (info, now)
         self.unlisted = {k: (info, since) for k, (info, since) in self.unlisted.items()
-                         if k not in listed and now - since <= self.unlisted_grace_s}
+                         if k not in listed and now - since < self.unlisted_grace_s}
         self.engines = listed
 
-    def last_resort(self, role: str, model: str, now: float) -> list[EngineInfo]:
+    def last_resort(self, role: str, model: str = "") -> list[EngineInfo]:
         """Engines of ``role`` serving ``model`` that the broker stopped listing less than ``unlisted_grace_s``
-        ago. The broker lists an engine while its sidecar keeps it alive, so a sidecar restart hides a serving
-        engine; when every listed engine of a role has failed a turn, these are worth one try each (a dead one
-        refuses the connection at once); when the broker lists no engine of the role at all, the turn starts on
-        one. Seen in kvloop bench chaos: a sidecar restart on one decode engine and a kill of the other, seconds
-        apart, left a stream with nowhere to resume, and the next turn with no decode engine at all. The latest
-        to go comes first: an engine whose sidecar restarts drops after one that died with its engine."""
-        recent = sorted(self.unlisted.values(), key=lambda item: -item[1])  # the latest to go first
-        return [info for info, since in recent
-                if info.role in (role, "both") and info.http and info.serves(model)
-                and now - since <= self.unlisted_grace_s]
+        ago (as of the last refresh). The broker lists an engine while its sidecar keeps it alive, so a sidecar
+        restart hides a serving engine: when the listed engines of a role have all failed a turn, or none is
+        listed, these are worth one try each (a dead one refuses the connection at once). Seen in kvloop bench
+        chaos: a sidecar restart on one decode engine and a kill of the other, seconds apart, left a stream with
+        nowhere to resume, and the next turn with no decode engine at all. The latest to go comes first: an
+        engine whose sidecar restarts drops after one that died with its engine."""
+        recent = sorted(self.unlisted.values(), key=lambda item: -item[1])
+        return [info for info, _ in recent if info.role in (role, "both") and info.http and info.serves(model)]
 
     def of_role(self, role: str, model: str = "") -> list[EngineInfo]:
         """Engines of ``role`` that serve ``model``; the configured URLs only while the broker lists none of the
@@ -81,9 +79,12 @@ class Directory:
         return [e for e in live if e.serves(model)]
 
     def pick(self, role: str, model: str = "", exclude: frozenset[str] | set[str] = frozenset()) -> EngineInfo | None:
+        """A listed engine, round-robin; with none left, the first :meth:`last_resort`."""
         candidates = [e for e in self.of_role(role, model) if e.engine_id not in exclude]
+        if not candidates:
+            return next((e for e in self.last_resort(role, model) if e.engine_id not in exclude), None)
         counter = self._rr.setdefault(role, itertools.count())
-        return candidates[next(counter) % len(candidates)] if candidates else None
+        return candidates[next(counter) % len(candidates)]
 
     def models(self) -> set[str]:
         """The model names engines registered with."""

@@ -308,11 +308,8 @@ class TurnRunner:
         decode = self.directory.engines.get(plan.decode_engine_id) if plan else None
         if decision == "DECODE_LOCAL" and decode is None:
             decision, reason = "RECOMPUTE", "decode_engine_unknown"
-        now = time.monotonic()
-        prefill = prefill or self.directory.pick("prefill", model) or next(
-            iter(self.directory.last_resort("prefill", model, now)), None)
-        decode = decode or self.directory.pick("decode", model) or next(
-            iter(self.directory.last_resort("decode", model, now)), None)
+        prefill = prefill or self.directory.pick("prefill", model)
+        decode = decode or self.directory.pick("decode", model)
         if prefill is None or decode is None:
             raise TurnError(503, f"no prefill and decode engines serving '{model}' are available")
         layout = self.directory.layout(model)
@@ -324,7 +321,7 @@ class TurnRunner:
                             planned_pull_tokens=int(plan.pull_tokens) if plan else 0,
                             available_tokens=int(plan.cached_tokens_seen) if plan else 0)
         prepared.decode_alternatives = [e for e in [*self.directory.of_role("decode", model),
-                                                    *self.directory.last_resort("decode", model, now)]
+                                                    *self.directory.last_resort("decode", model)]
                                         if e.engine_id != decode.engine_id]
         if plan is not None:
             span.set_attributes(plan_attributes(plan))
@@ -489,9 +486,7 @@ class TurnRunner:
                 log.warning("router.prefill_failed", engine=engine.engine_id, error=str(exc) or type(exc).__name__)
             self.metrics.fallbacks.labels("prefill_retry").inc()
             request["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False}  # no pull
-            engine = self.directory.pick("prefill", model, tried) or next(
-                (e for e in self.directory.last_resort("prefill", model, time.monotonic())
-                 if e.engine_id not in tried), None)
+            engine = self.directory.pick("prefill", model, tried)
         raise TurnError(503, "no prefill engine could serve the request")
 
     def decode_request(self, prepared: Prepared) -> dict[str, Any]:

@@ -107,21 +107,27 @@ def test_an_engine_the_broker_stops_listing_stays_a_last_resort_for_a_while() ->
     both = inspect_reply(("d1", pb.ENGINE_ROLE_DECODE, "http://d1:1"), ("d2", pb.ENGINE_ROLE_DECODE, "http://d2:1"),
                          ("p1", pb.ENGINE_ROLE_PREFILL, "http://p1:1"))
     d.update(both, now=0.0)
-    assert d.last_resort("decode", "", now=0.0) == []
+    assert d.last_resort("decode") == []
     # d2's sidecar restarts: the broker lists d1 and p1 only; d2 is a last resort, not a listed engine.
     d.update(inspect_reply(("d1", pb.ENGINE_ROLE_DECODE, "http://d1:1"), ("p1", pb.ENGINE_ROLE_PREFILL,
                                                                            "http://p1:1")), now=10.0)
-    assert [e.engine_id for e in d.of_role("decode")] == ["d1"]
-    assert [e.engine_id for e in d.last_resort("decode", "", now=12.0)] == ["d2"]
-    assert d.last_resort("prefill", "", now=12.0) == [] and d.last_resort("decode", "", now=40.1) == []
+    assert [e.engine_id for e in d.of_role("decode")] == ["d1"] and d.pick("decode").engine_id == "d1"  # type: ignore[union-attr]
+    assert [e.engine_id for e in d.last_resort("decode")] == ["d2"] and d.last_resort("prefill") == []
+    assert d.pick("decode", exclude={"d1"}).engine_id == "d2"  # type: ignore[union-attr]  # every listed one failed
     d.update(inspect_reply(("p1", pb.ENGINE_ROLE_PREFILL, "http://p1:1")), now=11.0)  # d1 goes too, later
-    assert [e.engine_id for e in d.last_resort("decode", "", now=12.0)] == ["d1", "d2"]  # the latest first
+    assert [e.engine_id for e in d.last_resort("decode")] == ["d1", "d2"]  # the latest first
+    assert d.pick("decode").engine_id == "d1"  # type: ignore[union-attr]  # none listed: a turn starts on one
+    assert d.pick("decode", exclude={"d1", "d2"}) is None
     d.update(both, now=20.0)  # listed again: no longer a last resort
-    assert d.last_resort("decode", "", now=20.0) == []
+    assert d.last_resort("decode") == []
     d.update(inspect_reply(("p1", pb.ENGINE_ROLE_PREFILL, "http://p1:1")), now=30.0)
+    assert len(d.last_resort("decode")) == 2
     d.update(inspect_reply(("p1", pb.ENGINE_ROLE_PREFILL, "http://p1:1")), now=61.0)  # past the grace: forgotten
-    assert d.last_resort("decode", "", now=61.0) == [] and d.unlisted == {}
-    assert Directory(RouterConfig(broker="127.0.0.1:1", unlisted_grace_s=0.0)).last_resort("decode", "", 0.0) == []
+    assert d.last_resort("decode") == [] and d.unlisted == {} and d.pick("decode") is None
+    never = Directory(RouterConfig(broker="127.0.0.1:1", unlisted_grace_s=0.0))
+    never.update(both, now=0.0)
+    never.update(inspect_reply(), now=1.0)
+    assert never.last_resort("decode") == []
 
 
 def test_transfer_params_name_the_pinned_prefix() -> None:
