@@ -340,7 +340,7 @@ async def check_answers(model: Path, work: Path, requests: list[RequestRecord]) 
     wrong: list[dict[str, Any]] = []
     near_ties = 0
     # A few at a time: the reference batches them (float32: a batch's rounding differs from a lone request's by far
-    # less than the near-tie margin), and the check takes a third of the time it took one by one.
+    # less than the near-tie margin). Here about 0.45 s an answer, against 0.8 s one by one.
     gate = asyncio.Semaphore(REFERENCE_CONCURRENCY)
 
     async def check(http: aiohttp.ClientSession, r: RequestRecord) -> None:
