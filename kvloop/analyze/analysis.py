@@ -85,14 +85,15 @@ def analyze(records: list[TurnRecord], options: Options) -> Analysis:
             for budget in budgets for ttl in options.ttls]
     reuse = ideal_hits.tokens_ideal / max(1, sum(r.prompt_tokens for r in records))
     # Predictions at the starting setting; when none finds enough, at the most generous one in the grid.
-    setting = starting_setting(grid) or max((h.setting for h in grid), key=lambda s: (s.budget_blocks, s.ttl_s))
+    # The grid's most generous setting: the fallback when no setting finds enough, and nearest to a run whose
+    # engines never ran short of retention (a bench run), so the replay's own prediction can be held against it.
+    roomiest = max((h.setting for h in grid), key=lambda s: (s.budget_blocks, s.ttl_s))
+    setting = starting_setting(grid) or roomiest
     chosen = retention.replay(records, setting, fleet)
     link = costs.interconnect([o.matched_blocks for o in chosen.outcomes], model, span)
     with_return = _predicted(chosen, model, bs)
-    # The grid's most generous setting: nearest to a run whose engines never ran short of retention (a bench run),
-    # so the replay's own prediction can be held against what such a run measured.
-    roomiest = max((h.setting for h in grid), key=lambda s: (s.budget_blocks, s.ttl_s))
-    generous = (roomiest, _predicted(retention.replay(records, roomiest, fleet), model, bs)["all"])
+    generous = (roomiest, with_return["all"] if setting == roomiest
+                else _predicted(retention.replay(records, roomiest, fleet), model, bs)["all"])
     without = costs.predicted_ttft_ms([("RECOMPUTE", r.prompt_tokens, 0) for r in records], model)
     w, wo = with_return.get("all", {}), without.get("all", {})
     final = verdict(reuse, grid, w.get("p50", 0.0), wo.get("p50", 0.0), w.get("p95", 0.0), wo.get("p95", 0.0),
