@@ -1,6 +1,7 @@
 """Process-wide patches of vLLM 0.32 internals, each idempotent and each for a measured reason.
 
-- :func:`cap_ipc_spin`: vLLM's shared-memory queues busy-wait 1 s after every message;
+- :func:`cap_ipc_spin`: vLLM's shared-memory queues busy-wait 1 s after every message, and trust a wake-up
+  notification that can be lost for 5 s;
 - :func:`install_idle_fix`: an engine that merely holds retained blocks must not step without pause;
 - :func:`nixl_progress_delay`: NIXL's progress thread busy-polls unless given a delay.
 
@@ -20,15 +21,44 @@ if TYPE_CHECKING:
     from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 
 
+RECHECK_MIN_MS = 1
+RECHECK_MAX_MS = 50
+"""Bounds of an idle queue reader's park between re-reads of the shared-memory flag (vLLM: 5000 ms)."""
+
+
+def recheck_ms(idle_s: float, timeout_ms: int | None) -> int:
+    """How long an idle reader parks on its notify socket before re-reading the shared-memory flag.
+
+    ``idle_s`` is how long the reader has been idle (past its spin), ``timeout_ms`` the caller's own bound
+    (None: none). The park doubles with the idle time, from RECHECK_MIN_MS to RECHECK_MAX_MS: a wake-up lost
+    while the engine is between steps costs at most about as long as the reader had already waited, and one
+    lost after a long idle spell at most RECHECK_MAX_MS, while an idle reader wakes at most 1000 /
+    RECHECK_MAX_MS times a second. Never longer than ``timeout_ms``."""
+    park = min(RECHECK_MAX_MS, max(RECHECK_MIN_MS, int(idle_s * 1000)))
+    return park if timeout_ms is None else max(0, min(park, timeout_ms))
+
+
 def cap_ipc_spin(seconds: float) -> None:
-    """Cap how long vLLM's shared-memory message queues busy-wait after a message (vLLM: 1 s).
+    """Cap how long vLLM's shared-memory message queues busy-wait after a message (vLLM: 1 s), and bound how
+    long an idle reader trusts its wake-up notification (vLLM: 5 s).
 
     vLLM's EngineCore and its worker talk over ``shm_broadcast.MessageQueue``; after each message the reader
-    spins with ``sched_yield`` for ``busy_loop_s`` before sleeping on its ZMQ socket. Two spinning processes
-    per engine after every step slow every other engine that shares the cores (a prefill 0.3 s after a decode
-    step took 545-702 ms instead of 22-30 ms on 2 cores). Past the cap a reader wakes on the socket, which
-    costs tens of microseconds. Patched on the class, so queues made before the call follow it too. Called in
-    every engine process by :mod:`kvloop.engines.vllm_entry` with ``EngineConfig.ipc_spin_s``."""
+    spins with ``sched_yield`` for ``busy_loop_s`` before parking on its ZMQ notify socket. Two spinning
+    processes per engine after every step slow every other engine that shares the cores (a prefill 0.3 s
+    after a decode step took 545-702 ms instead of 22-30 ms on 2 cores), so the spin is capped at ``seconds``.
+
+    The notification is only a hint, and it can be lost: a parked reader then re-reads the authoritative
+    shared-memory flag only after vLLM's ``SHM_READER_RECHECK_INTERVAL_MS`` (5 s). With a 1 s spin a reader is
+    rarely parked while serving; with a short spin it parks between every two steps, and lost notifications
+    stalled requests and streams for 5 s (``tests/engines/test_queue_wakeups.py``: 9 of 60 requests). One way
+    they are lost is the writer's PUB socket, whose send high-water mark of 1 drops a notification while the
+    previous one is in flight; raising it removed 6 of those 9, not all. So the fix does not depend on why a
+    notification is lost: the park is bounded by :func:`recheck_ms`, and the reader re-reads the flag after
+    every park, so a lost wake-up costs at most one park. Patched on the class, so queues made before the call
+    follow it too. Called in every engine process by :mod:`kvloop.engines.vllm_entry` with
+    ``EngineConfig.ipc_spin_s``."""
+    import time
+
     from vllm.distributed.device_communicators import shm_broadcast
 
     spin = shm_broadcast.SpinCondition
@@ -37,7 +67,8 @@ def cap_ipc_spin(seconds: float) -> None:
     def wait(self: SpinCondition, timeout_ms: int | None = None) -> None:
         if self.busy_loop_s > seconds:
             self.busy_loop_s = seconds
-        original(self, timeout_ms)
+        idle_s = time.monotonic() - self.last_read - self.busy_loop_s
+        original(self, timeout_ms if idle_s < 0 else recheck_ms(idle_s, timeout_ms))
 
     wait._kvloop_original = original  # type: ignore[attr-defined]
     spin.wait = wait

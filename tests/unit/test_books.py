@@ -1,11 +1,14 @@
 """The pure pieces behind the engines: the engine protocol's arithmetic, the connector's books (with fakes for
-what vLLM hands it), the sidecar's lease books and load report, and flags whose values start with a dash."""
+what vLLM hands it), an idle queue reader's park, the sidecar's lease books and load report, and flags whose
+values start with a dash."""
 
 from __future__ import annotations
 
 import argparse
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvloop.engines.config import EngineConfig
 from kvloop.engines.connector.books import (
@@ -15,6 +18,7 @@ from kvloop.engines.connector.books import (
     retain,
     split_lease_reads,
 )
+from kvloop.engines.connector.patches import RECHECK_MAX_MS, RECHECK_MIN_MS, recheck_ms
 from kvloop.engines.sidecar.books import LeaseBooks, Throughput, engine_load
 from kvloop.shared.config import join_dashed_values
 from kvloop.shared.protocol import (
@@ -154,3 +158,13 @@ def test_the_upstream_worker_still_has_what_the_rehandshake_uses() -> None:
     for name in ("self._failed_remote_engines", "self._invalid_remote_engines", "self._remote_agents",
                  "def _cleanup_remote_engines", "def _mark_remote_engine_invalid"):
         assert name in source, name
+
+
+@given(idle_s=st.floats(min_value=0, max_value=1e6), timeout_ms=st.one_of(st.none(), st.integers(0, 10_000)))
+def test_an_idle_queue_reader_parks_briefly_and_never_past_its_timeout(idle_s: float, timeout_ms: int | None) -> None:
+    """engines.connector.patches.recheck_ms: the park grows with the idle time, within [1, 50] ms (vLLM: 5 s,
+    the stall of a lost wake-up), and never outlasts the caller's own timeout."""
+    park = recheck_ms(idle_s, timeout_ms)
+    assert park <= RECHECK_MAX_MS and (timeout_ms is None or park <= timeout_ms)
+    assert park >= min(RECHECK_MIN_MS, RECHECK_MAX_MS if timeout_ms is None else timeout_ms)
+    assert park >= min(int(idle_s * 1000), RECHECK_MAX_MS, 10**9 if timeout_ms is None else timeout_ms)
