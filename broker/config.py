@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvloop.broker.core import POLICIES, Limits, PlacementPolicy
+from kvloop.shared.auth import read_secrets
 from kvloop.shared.config import ServiceConfig, parse_host_port, setting
 from kvloop.shared.telemetry import LOG_FORMATS, LOG_LEVELS
 from kvloop.shared.tls import check_files
@@ -67,6 +68,11 @@ class BrokerConfig(ServiceConfig):
     tls_key: Path | None = setting(None, "PEM private key of tls_cert (unencrypted)")
     tls_ca: Path | None = setting(None, "PEM CA bundle: every client must present a certificate it signed "
                                         "(mutual TLS), and engine calls are checked against the caller's identity")
+    auth_secret_file: Path | None = setting(None, "file of the cluster secret (one per line: the first signs, any "
+                                                  "verifies) that callers' bearer tokens are checked with "
+                                                  "(kvloop.shared.auth); never the secret itself in argv")
+    dev_no_auth: bool = setting(False, "DEVELOPMENT ONLY: accept every caller unchecked when neither tokens "
+                                       "(auth_secret_file) nor mutual TLS (tls_ca) is set; logged at start")
     engine_identity: str = setting("{engine_id}", "mTLS: the certificate name (CN or SAN) that may act for an "
                                                   "engine, {engine_id} replaced by the engine's id")
     allowed_engines: str = setting("", "mTLS: comma-separated engine ids that may register and act "
@@ -117,7 +123,20 @@ class BrokerConfig(ServiceConfig):
         self._require(0 < self.decode_local_max_share <= 1, "decode_local_max_share", "must be in (0, 1]")
         self._require(self.decode_local_max_running >= 1, "decode_local_max_running", "must be at least 1")
         check_files(self, "tls_", server=True)
+        if self.auth_secret_file is not None:
+            self._require(Path(self.auth_secret_file).is_file(), "auth_secret_file", "must be an existing file")
+            try:
+                read_secrets(Path(self.auth_secret_file))
+            except ValueError as exc:
+                self._require(False, "auth_secret_file", str(exc))
         self._require("{engine_id}" in self.engine_identity, "engine_identity", "must contain {engine_id}")
+
+    def require_auth(self) -> None:
+        """Refuse to serve with no check of callers unless ``dev_no_auth`` says so (called at start, not by
+        :meth:`validate`: a config is also a value that tests and tools build)."""
+        self._require(self.auth_secret_file is not None or self.mutual_tls or self.dev_no_auth, "auth_secret_file",
+                      "the broker authenticates its callers: set auth_secret_file (tokens) or tls_cert, tls_key and "
+                      "tls_ca (mutual TLS); dev_no_auth (--dev-no-auth) opens it for development only")
 
     @property
     def mutual_tls(self) -> bool:

@@ -66,6 +66,9 @@ class BrokerMetrics:
                                     "incarnation)", ["reason"], registry=self.registry)
         self.rpc_errors = Counter("kvloop_broker_rpc_errors", "RPCs refused, by method and status code",
                                   ["method", "code"], registry=self.registry)
+        self.auth_refusals = Counter("kvloop_broker_auth_refusals", "calls refused by authentication or "
+                                     "authorization (broker.access), by method and status code", ["method", "code"],
+                                     registry=self.registry)
 
     def set_state(self, state: BrokerState | None, *, leader: bool) -> None:
         self._collector.state = state

@@ -2,8 +2,9 @@
 runtime (election, expiry ticks) and graceful shutdown on SIGTERM/SIGINT.
 
 TLS: with ``tls_cert`` and ``tls_key`` the gRPC port speaks TLS; with ``tls_ca`` too, clients must present
-a certificate signed by it and are authorized by its names (:mod:`kvloop.broker.access`). Health and reflection
-share the port, so a probe then needs a client certificate as well.
+a certificate signed by it. Every call is authenticated (a token signed with ``auth_secret_file``, or the client
+certificate) and authorized by role (:mod:`kvloop.broker.access`); ``dev_no_auth`` turns that off, loudly. Health
+and reflection share the port and need no token (they carry no user data), but a client certificate under mTLS.
 
 Health: the overall service ``""`` is SERVING while the process is up (liveness); ``kvloop.v1.KVBroker``
 is SERVING only while this replica is the leader (readiness: route traffic here).
@@ -76,6 +77,7 @@ class RunningBroker:
 
 
 async def start_broker(config: BrokerConfig, metrics: BrokerMetrics | None = None) -> RunningBroker:
+    config.require_auth()
     metrics = metrics or BrokerMetrics()
     built: dict[str, Any] = {}
 
@@ -107,7 +109,13 @@ async def start_broker(config: BrokerConfig, metrics: BrokerMetrics | None = Non
     await runtime.start()
     log.info("broker.listening", address=f"{config.listen.rpartition(':')[0]}:{shell.port}",
              metrics_port=shell.metrics_port, store=built["store"].kind, replica=config.replica,
-             policy=config.eviction_policy, tls="mutual" if config.mutual_tls else "server" if tls.enabled else "off")
+             policy=config.eviction_policy, tls="mutual" if config.mutual_tls else "server" if tls.enabled else "off",
+             auth=",".join(a for a, on in (("token", config.auth_secret_file is not None),
+                                           ("certificate", config.mutual_tls)) if on) or "OFF (dev_no_auth)")
+    if not (config.auth_secret_file or config.mutual_tls):
+        log.warning("broker.auth_off_for_development", dev_no_auth=True,
+                    detail="every caller is accepted unchecked: any process that reaches this port may register "
+                           "as an engine and receive users' prompts; never run a shared cluster like this")
     if config.port_file is not None:
         write_port_file(config.port_file, shell.port)
     return RunningBroker(config, shell, runtime, watcher)

@@ -1,8 +1,8 @@
 """The ``kvloop.v1.KVBroker`` gRPC service: validate, call the runtime, map errors to status codes.
 
 Every RPC gets one OpenTelemetry span (parented by an incoming ``traceparent``), a latency sample and,
-when refused, an error count by status code. Placement spans carry the whole decision. With mutual TLS every
-call is first authorized by the caller's certificate (:mod:`kvloop.broker.access`; ``PERMISSION_DENIED`` otherwise).
+when refused, an error count by status code. Placement spans carry the whole decision. Every call is first
+authenticated and authorized by the caller's token or certificate (:mod:`kvloop.broker.access`).
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from kvloop.broker import convert
-from kvloop.broker.access import Access
+from kvloop.broker.access import CALLER, Access
 from kvloop.broker.core import BrokerState, Decision, EvictionCommand, PlaceInput, Plan
 from kvloop.broker.runtime import BrokerRuntime
-from kvloop.shared.errors import KvloopError
+from kvloop.shared.auth import Unauthenticated
+from kvloop.shared.errors import KvloopError, PermissionDenied
 from kvloop.v1 import broker_pb2 as pb
 from kvloop.v1 import broker_pb2_grpc
 
@@ -33,6 +34,7 @@ tracer = trace.get_tracer("kvloop.broker")
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
+AuthRefusal = (Unauthenticated, PermissionDenied)
 Handler = Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]
 
 _CODES = {
@@ -43,6 +45,7 @@ _CODES = {
     "ALREADY_EXISTS": grpc.StatusCode.ALREADY_EXISTS,
     "UNAVAILABLE": grpc.StatusCode.UNAVAILABLE,
     "PERMISSION_DENIED": grpc.StatusCode.PERMISSION_DENIED,
+    "UNAUTHENTICATED": grpc.StatusCode.UNAUTHENTICATED,
 }
 
 
@@ -64,6 +67,8 @@ def rpc(method: str) -> Callable[[Handler[Req, Resp]], Handler[Req, Resp]]:
                 except KvloopError as exc:
                     code = _CODES[exc.status.value]
                     self.runtime.metrics.rpc_errors.labels(method=method, code=code.name).inc()
+                    if isinstance(exc, AuthRefusal):
+                        self.runtime.metrics.auth_refusals.labels(method=method, code=code.name).inc()
                     span.set_status(Status(StatusCode.ERROR, exc.message))
                     span.set_attribute("rpc.grpc.status_code", code.value[0])
                     log.info("rpc.refused", method=method, code=code.name, error=exc.message)
@@ -117,9 +122,10 @@ class BrokerService(broker_pb2_grpc.KVBrokerServicer):
         return lease.engine_id if lease is not None else None
 
     def authorize(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> None:
-        """Raise ``PermissionDenied`` when mutual TLS is on and the caller may not make this call."""
-        if self.access is not None and self.access.enabled:
-            self.access.check(method, request, context, self._lease_owner)
+        """Raise ``Unauthenticated`` or ``PermissionDenied`` when the caller may not make this call
+        (:mod:`kvloop.broker.access`); the caller is then :data:`CALLER` for the handler."""
+        if self.access is not None:
+            CALLER.set(self.access.check(method, request, context, self._lease_owner))
 
     async def _authorize_stream(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> None:
         try:
@@ -127,6 +133,7 @@ class BrokerService(broker_pb2_grpc.KVBrokerServicer):
         except KvloopError as exc:
             code = _CODES[exc.status.value]
             self.runtime.metrics.rpc_errors.labels(method=method, code=code.name).inc()
+            self.runtime.metrics.auth_refusals.labels(method=method, code=code.name).inc()
             log.info("rpc.refused", method=method, code=code.name, error=exc.message)
             await context.abort(code, exc.message)
 
@@ -280,6 +287,8 @@ class BrokerService(broker_pb2_grpc.KVBrokerServicer):
                 convert.engine_status_to_pb(rec, s.retained_blocks(eid), len(s.engine_lease_ids(eid)),
                                             s.soft.cached_blocks(eid), s.soft.resets(eid))
                 for eid, rec in sorted(s.engines.items()))
+            if not CALLER.get().full_view:
+                return base  # a router: the engines it may route to, never what they hold (broker.access)
             base.leases.extend(convert.lease_to_pb(x) for x in sorted(s.leases.values(), key=lambda x: x.created_at))
             base.pins.extend(convert.pin_to_pb(p) for p in s.pins.values())
             return base

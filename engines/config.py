@@ -23,6 +23,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from kvloop.shared.auth import check_token_file
 from kvloop.shared.config import ServiceConfig, parse_host_port, setting
 from kvloop.shared.errors import ConfigError
 from kvloop.shared.paths import checkout_root
@@ -145,6 +146,8 @@ class EngineConfig(ServiceConfig):
     broker_tls_key: Path | None = setting(None, "sidecar: PEM private key of broker_tls_cert")
     broker_tls_server_name: str = setting("", "sidecar: name the broker's certificate must carry, when not the "
                                               "dialled host")
+    broker_token_file: Path | None = setting(None, "sidecar: file holding the engine's bearer token for the broker "
+                                                   "(role engine, subject engine_id); never the token in argv")
     sidecar_tls_cert: Path | None = setting(None, "PEM certificate of the sidecar's gRPC port (TLS on, with its key)")
     sidecar_tls_key: Path | None = setting(None, "PEM private key of sidecar_tls_cert")
     sidecar_tls_ca: Path | None = setting(None, "PEM CA: clients of the sidecar's gRPC port must present a "
@@ -204,13 +207,14 @@ class EngineConfig(ServiceConfig):
             self._require(value == "" or value.startswith(ZMQ_SCHEMES), name, "must be an ipc:// or tcp:// address")
         check_files(self, "broker_tls_", server=False)
         check_files(self, "sidecar_tls_", server=True)
+        check_token_file(self, "broker_token_file")
 
     def sidecar_tls_env(self) -> dict[str, str]:
-        """The TLS paths the sidecar gets, as ``KVLOOP_SIDECAR_*`` names without the prefix (absolute paths: the
-        sidecar runs in the work directory)."""
+        """The TLS and token paths the sidecar gets, as ``KVLOOP_SIDECAR_*`` names without the prefix (absolute
+        paths: the sidecar runs in the work directory)."""
         names = {"broker_tls_ca": "BROKER_TLS_CA", "broker_tls_cert": "BROKER_TLS_CERT",
                  "broker_tls_key": "BROKER_TLS_KEY", "sidecar_tls_cert": "TLS_CERT", "sidecar_tls_key": "TLS_KEY",
-                 "sidecar_tls_ca": "TLS_CA"}
+                 "sidecar_tls_ca": "TLS_CA", "broker_token_file": "BROKER_TOKEN_FILE"}
         env = {env_name: str(Path(getattr(self, field)).absolute()) for field, env_name in names.items()
                if getattr(self, field) is not None}
         if self.broker_tls_server_name:

@@ -21,6 +21,7 @@ def _broker_serve(args: argparse.Namespace) -> int:
     from kvloop.broker.server import serve
 
     config = BrokerConfig.load(args)
+    config.require_auth()
     return run_service("kvloop-broker", config, serve, console_spans=config.console_spans)
 
 
@@ -53,11 +54,11 @@ def format_status(reply: Any) -> str:
     return "\n".join(lines)
 
 
-async def _inspect(addresses: str, timeout_s: float, tls: Any = None) -> Any:
+async def _inspect(addresses: str, timeout_s: float, tls: Any = None, token: str | None = None) -> Any:
     from kvloop.shared.client import BrokerClient
     from kvloop.v1 import broker_pb2 as pb
 
-    async with BrokerClient(addresses, timeout_s=timeout_s, tls=tls) as client:
+    async with BrokerClient(addresses, timeout_s=timeout_s, tls=tls, token=token) as client:
         return await client.call("Inspect", pb.InspectRequest())
 
 
@@ -65,12 +66,14 @@ def _broker_status(args: argparse.Namespace) -> int:
     import grpc
     from google.protobuf import json_format
 
+    from kvloop.shared.auth import read_token
     from kvloop.shared.tls import TlsFiles, check_files
 
     check_files(args, "tls_", server=False)
     tls = TlsFiles.of(args, "tls_")
+    token = read_token(args.token_file) if args.token_file else None
     try:
-        reply = asyncio.run(_inspect(args.broker, args.timeout, tls))
+        reply = asyncio.run(_inspect(args.broker, args.timeout, tls, token))
     except grpc.aio.AioRpcError as exc:
         print(f"kvloop: broker {args.broker}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
@@ -78,6 +81,23 @@ def _broker_status(args: argparse.Namespace) -> int:
         print(json_format.MessageToJson(reply, preserving_proto_field_name=True))
     else:
         print(format_status(reply))
+    return 0
+
+
+def _auth_secret(args: argparse.Namespace) -> int:
+    from kvloop.shared.auth import new_secret, write_private
+
+    print(write_private(args.out, new_secret()))
+    return 0
+
+
+def _auth_token(args: argparse.Namespace) -> int:
+    import time
+
+    from kvloop.shared.auth import mint, read_secrets, write_private
+
+    token = mint(read_secrets(args.secret_file)[0], args.role, args.subject, time.time(), args.ttl_s)
+    print(write_private(args.out, token))
     return 0
 
 
@@ -187,7 +207,24 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--tls-cert", default=None, help="PEM certificate to present (a broker with mutual TLS)")
     status.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     status.add_argument("--tls-server-name", default="", help="name the broker's certificate must carry")
+    status.add_argument("--token-file", type=Path, default=os.environ.get("KVLOOP_TOKEN_FILE") or None,
+                        help="file holding an operator's bearer token (env KVLOOP_TOKEN_FILE; `kvloop up` writes "
+                             "one to WORK/auth/operator.token)")
     status.set_defaults(func=_broker_status)
+
+    auth = sub.add_parser("auth", help="cluster secrets and callers' tokens (kvloop.shared.auth)").add_subparsers(
+        dest="auth_command", required=True)
+    secret = auth.add_parser("secret", help="write a new cluster secret to a file (mode 0600)")
+    secret.add_argument("--out", type=Path, required=True, help="the secret file (the broker's auth_secret_file)")
+    secret.set_defaults(func=_auth_secret)
+    token = auth.add_parser("token", help="mint a caller's token with the cluster secret, into a file (mode 0600)")
+    token.add_argument("--secret-file", type=Path, required=True, help="the cluster secret (its first line signs)")
+    token.add_argument("--role", required=True, choices=("engine", "router", "operator"))
+    token.add_argument("--subject", required=True, help="the engine id for an engine; a name for the others")
+    token.add_argument("--ttl-s", type=float, default=0.0, help="seconds the token is valid (0 = until the secret "
+                                                                  "is rotated)")
+    token.add_argument("--out", type=Path, required=True, help="the token file (a *_token_file setting)")
+    token.set_defaults(func=_auth_token)
 
     from kvloop.cluster import add_arguments as add_up_arguments
     from kvloop.demo import add_arguments as demo_add_arguments

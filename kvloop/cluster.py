@@ -3,7 +3,8 @@
 :class:`LocalCluster` is what ``kvloop up`` runs and what the multi-turn benchmark's kvloop configuration runs:
 the broker and the router in this process (the broker on the memory store, or with ``etcd`` a local etcd from
 Debian's package and the etcd store), the engines through :mod:`kvloop.engine_set`. Start-up waits on each
-part's health; stop runs in reverse order and is safe after a partial start.
+part's health; stop runs in reverse order and is safe after a partial start. The broker authenticates every
+caller: the cluster makes a new secret in ``run_dir/auth`` and gives each sidecar and the router its own token.
 
 ``kvloop up`` starts one on the tiny model (built on first use), prints the endpoints, runs the demo
 (:mod:`kvloop.demo`) and serves until Ctrl-C or SIGTERM (``--once``: stops after the demo).
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +32,7 @@ from kvloop.engines.model import ensure_tiny_model
 from kvloop.router.config import RouterConfig
 from kvloop.router.server import RunningRouter, start_router
 from kvloop.shared import procs
+from kvloop.shared.auth import ClusterCredentials
 from kvloop.shared.client import wait_serving
 from kvloop.shared.serving import wait_for_stop
 
@@ -45,6 +48,8 @@ class LocalCluster:
     engines: EngineSet = field(default_factory=EngineSet)
     router: RunningRouter | None = None
     etcd: procs.Proc | None = None
+    credentials: ClusterCredentials | None = None
+    """The cluster's secret and its callers' tokens (``run_dir/auth``): the broker refuses every other caller."""
 
     @property
     def broker_address(self) -> str:
@@ -65,8 +70,11 @@ class LocalCluster:
         with nothing but its clients, as in a deployment)."""
         cluster = cls()
         try:
+            # Closed to every other local process: a new secret per run, a token per caller (kvloop.shared.auth).
+            cluster.credentials = auth = ClusterCredentials(run_dir / "auth")
             values: dict[str, Any] = {"listen": "127.0.0.1:0", "metrics_listen": "127.0.0.1:0", "log_level": "warning",
-                                      "keepalive_interval_s": 1.0, "engine_ttl_s": 5.0, **(broker or {})}
+                                      "keepalive_interval_s": 1.0, "engine_ttl_s": 5.0,
+                                      "auth_secret_file": auth.secret_file, **(broker or {})}
             if etcd:
                 cluster.etcd = await asyncio.to_thread(procs.start_etcd, run_dir / "etcd" / "data", run_dir / "etcd")
                 values.update(store="etcd", etcd_endpoint=cluster.etcd.extra["endpoint"])
@@ -79,12 +87,12 @@ class LocalCluster:
                 cluster.broker = await start_broker(BrokerConfig.load(values))
             await wait_serving(cluster.broker_address, SERVICE_NAME, timeout_s=30)
             on_step("broker", cluster)
-            configs = make_configs(cluster.broker_address)
+            configs = [with_token(c, auth) for c in make_configs(cluster.broker_address)]
             cluster.engines = await asyncio.to_thread(start_engines, configs)
             on_step("engines", cluster)
             cluster.router = await start_router(RouterConfig.load(
                 {"listen": "127.0.0.1:0", "broker": cluster.broker_address, "refresh_s": 1.0, "log_level": "warning",
-                 **(router or {})}))
+                 "broker_token_file": auth.token_file("router", "router"), **(router or {})}))
             directory = cluster.router.runner.directory
             while len(directory.engines) < len(configs):
                 await cluster.router.runner.refresh()
@@ -105,6 +113,15 @@ class LocalCluster:
             await asyncio.to_thread(self.broker_process.stop)
         if self.etcd is not None:
             self.etcd.stop()
+
+
+def with_token(config: EngineConfig, credentials: ClusterCredentials) -> EngineConfig:
+    """``config`` with its sidecar's engine token (minted for its engine id) unless it has one."""
+    if config.broker_token_file is not None or not config.broker:
+        return config
+    if not config.engine_id:
+        raise ValueError("engine_id: a cluster engine needs its id before start, to mint its token")
+    return dataclasses.replace(config, broker_token_file=credentials.token_file("engine", config.engine_id))
 
 
 def pd_configs(model: Path, work: Path, broker: str, *, prefill: int, decode: int, **settings: Any
@@ -141,6 +158,11 @@ async def _up(args: argparse.Namespace) -> None:
             assert cluster.broker is not None
             print(f"kvloop up: broker {cluster.broker_address} (store {'etcd' if args.etcd else 'memory'}), metrics "
                   f"http://127.0.0.1:{cluster.broker.metrics_port}/metrics", flush=True)
+            assert cluster.credentials is not None
+            operator = cluster.credentials.token_file("operator", "operator")
+            print(f"kvloop up: the broker authenticates every caller (secret {cluster.credentials.secret_file}); "
+                  f"inspect it with: kvloop broker status --broker {cluster.broker_address} --token-file {operator}",
+                  flush=True)
             print(f"kvloop up: starting {args.prefill} prefill and {args.decode} decode engines on {model} "
                   "(about a minute on 2 cores) ...", flush=True)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvloop.shared.auth import check_token_file
 from kvloop.shared.config import ServiceConfig, parse_host_port, setting
 from kvloop.shared.errors import ConfigError
 from kvloop.shared.telemetry import LOG_FORMATS, LOG_LEVELS
@@ -62,6 +63,9 @@ class RouterConfig(ServiceConfig):
     broker_tls_cert: Path | None = setting(None, "PEM certificate the router presents to a broker with mTLS")
     broker_tls_key: Path | None = setting(None, "PEM private key of broker_tls_cert")
     broker_tls_server_name: str = setting("", "name the broker's certificate must carry, when not the dialled host")
+    broker_token_file: Path | None = setting(None, "file holding this router's bearer token for the broker "
+                                                   "(role router; kvloop auth token mints one); never the "
+                                                   "token in argv")
 
     def validate(self) -> None:
         parse_host_port(self.listen, "listen")
@@ -81,6 +85,7 @@ class RouterConfig(ServiceConfig):
         self._require(self.unlisted_grace_s >= 0, "unlisted_grace_s", "must be 0 or more")
         check_files(self, "tls_", server=True)
         check_files(self, "broker_tls_", server=False)
+        check_token_file(self, "broker_token_file")
         if self.api_key_file is not None:
             self.api_keys()
         self._require(all(p.startswith("/") for p in self.open_path_set()), "open_paths",

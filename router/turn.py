@@ -42,6 +42,7 @@ from kvloop.router.records import RecordWriter, turn_record
 from kvloop.router.resume import StreamLedger
 from kvloop.router.tokenizer import RouterTokenizer
 from kvloop.router.truth import actual_path, plan_outcome, report_from_usage
+from kvloop.shared.auth import token_of
 from kvloop.shared.client import BrokerClient, PlacementStream, complete_request, transfer_params
 from kvloop.shared.hashing import ExtraKeys, block_keys
 from kvloop.shared.protocol import SESSION_KEY, PrefillReport, decode_local_params, prefill_only_params
@@ -159,7 +160,8 @@ class TurnRunner:
         self.metrics = metrics
         self.directory = Directory(config)
         self.broker = BrokerClient(config.broker, timeout_s=config.broker_timeout_s,
-                                   tls=TlsFiles.of(config, "broker_tls_")) if config.broker else None
+                                   tls=TlsFiles.of(config, "broker_tls_"), token=token_of(config)) \
+            if config.broker else None
         self.placements = PlacementStream(self.broker) if self.broker else None
         self._background: set[asyncio.Task[Any]] = set()
         self.recent = RecentTurns(config.publication_wait_s)

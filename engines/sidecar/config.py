@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvloop.shared.auth import check_token_file
 from kvloop.shared.config import ServiceConfig, parse_host_port, setting
 from kvloop.shared.protocol import DEFAULT_HOLD_S
 from kvloop.shared.telemetry import LOG_FORMATS, LOG_LEVELS
@@ -60,6 +61,9 @@ class SidecarConfig(ServiceConfig):
                                                  "a SAN must name engine_id (the broker's engine_identity)")
     broker_tls_key: Path | None = setting(None, "PEM private key of broker_tls_cert")
     broker_tls_server_name: str = setting("", "name the broker's certificate must carry, when not the dialled host")
+    broker_token_file: Path | None = setting(None, "file holding this sidecar's bearer token for the broker "
+                                                   "(role engine, subject engine_id; kvloop auth token mints "
+                                                   "one); never the token in argv")
 
     def validate(self) -> None:
         for name in ("engine_id", "broker", "engine_url", "layout_fingerprint"):
@@ -90,3 +94,4 @@ class SidecarConfig(ServiceConfig):
         self._require(self.kv_events_max_blocks >= 1, "kv_events_max_blocks", "must be positive")
         check_files(self, "tls_", server=True)
         check_files(self, "broker_tls_", server=False)
+        check_token_file(self, "broker_token_file")

@@ -15,6 +15,7 @@ from kvloop.engines.sidecar.books import LeaseBooks, Throughput, engine_load
 from kvloop.engines.sidecar.cache_feed import CacheFeed
 from kvloop.engines.sidecar.config import SidecarConfig
 from kvloop.engines.sidecar.metrics import SidecarMetrics, probe_health, scrape_engine_load
+from kvloop.shared.auth import token_of
 from kvloop.shared.client import BrokerClient
 from kvloop.shared.grpc_server import start_grpc_server
 from kvloop.shared.hashing import ExtraKeys, block_keys
@@ -34,7 +35,8 @@ class Sidecar(engine_link_pb2_grpc.EngineLinkServicer):
     def __init__(self, config: SidecarConfig, metrics: SidecarMetrics | None = None) -> None:
         self.config = config
         self.metrics = metrics or SidecarMetrics()
-        self.broker = BrokerClient(config.broker, timeout_s=5.0, tls=TlsFiles.of(config, "broker_tls_"))
+        self.broker = BrokerClient(config.broker, timeout_s=5.0, tls=TlsFiles.of(config, "broker_tls_"),
+                                   token=token_of(config))
         self.extra = ExtraKeys(config.layout_fingerprint)
         self.hello: lpb.ConnectorHello | None = None
         self.registered = asyncio.Event()

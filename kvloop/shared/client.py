@@ -18,17 +18,19 @@ from kvloop.v1 import broker_pb2_grpc
 
 class BrokerClient:
     """``tls``: the client's :class:`kvloop.shared.tls.TlsFiles` (CA of the broker, the client's own certificate and
-    key); None or nothing set = plaintext channels."""
+    key); None or nothing set = plaintext channels. ``token``: the caller's bearer token, sent on every call
+    (:mod:`kvloop.shared.auth`)."""
 
     def __init__(self, addresses: Sequence[str] | str, *, timeout_s: float = 5.0,
-                 options: Sequence[tuple[str, Any]] = (), tls: TlsFiles | None = None) -> None:
+                 options: Sequence[tuple[str, Any]] = (), tls: TlsFiles | None = None,
+                 token: str | None = None) -> None:
         if isinstance(addresses, str):
             addresses = [a.strip() for a in addresses.split(",") if a.strip()]
         if not addresses:
             raise ValueError("broker address list is empty")
         self.addresses = list(addresses)
         self.timeout_s = timeout_s
-        self._channels = [insecure_or_secure_channel(a, tls, options) for a in self.addresses]
+        self._channels = [insecure_or_secure_channel(a, tls, options, token) for a in self.addresses]
         self._stubs = [broker_pb2_grpc.KVBrokerStub(c) for c in self._channels]
         self._current = 0
 

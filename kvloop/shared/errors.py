@@ -14,6 +14,7 @@ class Status(enum.Enum):
     ALREADY_EXISTS = "ALREADY_EXISTS"
     UNAVAILABLE = "UNAVAILABLE"
     PERMISSION_DENIED = "PERMISSION_DENIED"
+    UNAUTHENTICATED = "UNAUTHENTICATED"
 
 
 class KvloopError(Exception):
@@ -52,7 +53,7 @@ class Unavailable(KvloopError):
 
 
 class PermissionDenied(KvloopError):
-    """An authenticated caller asked for something its identity may not do (the broker with mutual TLS)."""
+    """An authenticated caller asked for something its role or identity may not do (:mod:`kvloop.broker.access`)."""
 
     status = Status.PERMISSION_DENIED
 

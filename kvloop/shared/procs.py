@@ -110,12 +110,16 @@ def start_broker(name: str, args: Sequence[str], run_dir: Path, env: dict[str, s
                  cpus: set[int] | None = None, timeout_s: float = 30.0) -> Proc:
     """``kvloop broker serve`` on a free port; waits until its gRPC port is bound and the process
     answers health (the overall service: a follower replica is up but not the leader).
-    ``proc.extra['address']`` is host:port."""
+    ``proc.extra['address']`` is host:port. For tests and benchmarks on loopback: unless ``args`` (or ``env``)
+    turn on tokens or mutual TLS, the broker runs with ``--dev-no-auth``, which it logs."""
     run_dir.mkdir(parents=True, exist_ok=True)
     port_file = run_dir / f"{name}.port"
     port_file.unlink(missing_ok=True)
+    authenticated = any(a.split("=")[0] in ("--auth-secret-file", "--tls-ca") for a in args) or any(
+        k in (env or {}) for k in ("KVLOOP_BROKER_AUTH_SECRET_FILE", "KVLOOP_BROKER_TLS_CA"))
     argv = [sys.executable, "-m", "kvloop.cli", "broker", "serve", "--listen", "127.0.0.1:0",
-            "--port-file", str(port_file), "--metrics-listen", "127.0.0.1:0", "--log-format", "json", *args]
+            "--port-file", str(port_file), "--metrics-listen", "127.0.0.1:0", "--log-format", "json",
+            *([] if authenticated else ["--dev-no-auth"]), *args]
     proc = _spawn(name, argv, run_dir, env=env, cpus=cpus)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -104,13 +104,50 @@ class TlsFiles:
         return context
 
 
-def insecure_or_secure_channel(address: str, tls: TlsFiles | None, options: Sequence[tuple[str, Any]] = ()) -> Any:
-    """A ``grpc.aio`` channel to ``address``: TLS when ``tls`` is enabled, plaintext otherwise."""
+def bearer_interceptors(token: str) -> list[Any]:
+    """``grpc.aio`` client interceptors that add ``authorization: Bearer <token>`` to every call of a channel (one
+    per call shape: grpc.aio files an interceptor under its first matching kind only)."""
     import grpc
 
+    from kvloop.shared.auth import METADATA_KEY
+
+    pair = (METADATA_KEY, f"Bearer {token}")
+
+    def details(d: Any) -> Any:
+        metadata = grpc.aio.Metadata(*tuple(d.metadata or ()))
+        metadata.add(*pair)
+        return grpc.aio.ClientCallDetails(d.method, d.timeout, metadata, d.credentials, d.wait_for_ready)
+
+    class UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
+        async def intercept_unary_unary(self, continuation: Any, d: Any, request: Any) -> Any:
+            return await continuation(details(d), request)
+
+    class UnaryStream(grpc.aio.UnaryStreamClientInterceptor):
+        async def intercept_unary_stream(self, continuation: Any, d: Any, request: Any) -> Any:
+            return await continuation(details(d), request)
+
+    class StreamUnary(grpc.aio.StreamUnaryClientInterceptor):
+        async def intercept_stream_unary(self, continuation: Any, d: Any, requests: Any) -> Any:
+            return await continuation(details(d), requests)
+
+    class StreamStream(grpc.aio.StreamStreamClientInterceptor):
+        async def intercept_stream_stream(self, continuation: Any, d: Any, requests: Any) -> Any:
+            return await continuation(details(d), requests)
+
+    return [UnaryUnary(), UnaryStream(), StreamUnary(), StreamStream()]
+
+
+def insecure_or_secure_channel(address: str, tls: TlsFiles | None, options: Sequence[tuple[str, Any]] = (),
+                               token: str | None = None) -> Any:
+    """A ``grpc.aio`` channel to ``address``: TLS when ``tls`` is enabled, plaintext otherwise; with ``token``, every
+    call carries it as a bearer credential (:mod:`kvloop.shared.auth`)."""
+    import grpc
+
+    interceptors = bearer_interceptors(token) if token else None
     if tls is not None and tls.enabled:
-        return grpc.aio.secure_channel(address, tls.channel_credentials(), options=[*options, *tls.channel_options()])
-    return grpc.aio.insecure_channel(address, options=list(options))
+        return grpc.aio.secure_channel(address, tls.channel_credentials(), options=[*options, *tls.channel_options()],
+                                       interceptors=interceptors)
+    return grpc.aio.insecure_channel(address, options=list(options), interceptors=interceptors)
 
 
 def _check_pem(path: Path, field: str, mark: bytes, what: str) -> None:
