@@ -14,7 +14,8 @@ development switch ``dev_no_auth``, which it logs at start):
 
 With both on, a token is used when the call carries one. What each role may call:
 
-- **engine RPCs** act for one engine: ``RegisterEngine`` (``engine.engine_id``), ``KeepAlive``,
+- **engine RPCs** act for one engine (a token's subject may name a pool instead, ``kvloop-prefill-*``: any engine id
+  with that prefix, see :func:`subject_covers`): ``RegisterEngine`` (``engine.engine_id``), ``KeepAlive``,
   ``DeregisterEngine``, ``PublishLease``, ``WatchEvictions``, ``ReportCacheEvents`` (``engine_id``), and
   ``RenewLease`` / ``ReleaseLease`` (for the engine that owns ``lease_id``): only an engine acting for that very
   engine id (and on ``allowed_engines`` when that is set);
@@ -78,6 +79,12 @@ class Caller:
 OPEN = Caller("open", frozenset({"engine", "router", "operator"}), "")
 CALLER: contextvars.ContextVar[Caller] = contextvars.ContextVar("kvloop_broker_caller", default=OPEN)
 """The caller of the RPC being handled (set by the service's authorization, read by ``Inspect``)."""
+
+
+def subject_covers(subject: str, engine_id: str) -> bool:
+    """An engine token's subject is one engine id, or a pool's prefix ending in ``*`` (``kvloop-prefill-*``: the pods
+    of one Kubernetes Deployment, whose names are not known when the token is minted)."""
+    return subject == engine_id or (subject.endswith("*") and engine_id.startswith(subject[:-1]))
 
 
 def _names(text: str) -> frozenset[str]:
@@ -151,7 +158,7 @@ class Access:
         if self.allowed_engines and engine_id not in self.allowed_engines:
             raise PermissionDenied(f"{field}: {method} for {what} refused: {engine_id!r} is not in allowed_engines")
         if caller.how == "token":
-            if "engine" not in caller.roles or caller.subject != engine_id:
+            if "engine" not in caller.roles or not subject_covers(caller.subject, engine_id):
                 raise PermissionDenied(f"{field}: {method} for {what} refused: the caller holds {self._who(caller)}, "
                                        f"not an engine token for {engine_id!r}")
             return

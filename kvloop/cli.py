@@ -101,6 +101,33 @@ def _auth_token(args: argparse.Namespace) -> int:
     return 0
 
 
+def _auth_init(args: argparse.Namespace) -> int:
+    """Keeps an existing secret (a restarted init container must not lock the running callers out); mints every
+    token again with it."""
+    import time
+
+    from kvloop.shared.auth import mint, new_secret, read_secrets, write_private
+
+    secret = args.dir / "broker" / "secret"
+    if not secret.is_file():
+        write_private(secret, new_secret())
+    key = read_secrets(secret)[0]
+    names = [(role, name) for role, given in (("engine", args.engine), ("router", args.router),
+                                              ("operator", args.operator)) for name in given]
+    if len({name for _, name in names} | {"broker"}) != len(names) + 1:
+        raise ConfigError("names: every caller needs its own name, and none may be 'broker'", field="names")
+    written = [secret]
+    for role, name in names:
+        written.append(write_private(args.dir / name / "token", mint(key, role, name, time.time())))
+    if args.owner:
+        uid, _, gid = args.owner.partition(":")
+        for path in written:
+            for node in (path, path.parent):
+                os.chown(node, int(uid), int(gid or uid))
+    print(f"{secret} and {len(names)} tokens under {args.dir}")
+    return 0
+
+
 def _up(args: argparse.Namespace) -> int:
     from kvloop.cluster import up_main
 
@@ -225,6 +252,16 @@ def build_parser() -> argparse.ArgumentParser:
                                                                   "is rotated)")
     token.add_argument("--out", type=Path, required=True, help="the token file (a *_token_file setting)")
     token.set_defaults(func=_auth_token)
+    init = auth.add_parser("init", help="a cluster's secret and every caller's token, one folder per caller "
+                                        "(DIR/broker/secret, DIR/NAME/token): what the compose cluster and the "
+                                        "Kubernetes Secrets are made from")
+    init.add_argument("--dir", type=Path, required=True)
+    init.add_argument("--engine", action="append", default=[], help="an engine id (repeat)")
+    init.add_argument("--router", action="append", default=[], help="a router's name (repeat)")
+    init.add_argument("--operator", action="append", default=[], help="an operator's name (repeat)")
+    init.add_argument("--owner", default="", help="UID:GID to hand every file to (an init container run as root "
+                                                  "for the services' user)")
+    init.set_defaults(func=_auth_init)
 
     from kvloop.cluster import add_arguments as add_up_arguments
     from kvloop.demo import add_arguments as demo_add_arguments

@@ -65,7 +65,7 @@ def parse_kvloop(argv: Sequence[str], where: str) -> tuple[str, argparse.Namespa
     except SystemExit as exc:
         raise DeployError(f"{where}: `{shlex.join(argv)}` refused by the kvloop CLI: {err.getvalue().strip()}") from exc
     words = [argv[1]]
-    for sub in ("broker_command", "model_command", "bench_command"):
+    for sub in ("broker_command", "model_command", "bench_command", "auth_command"):
         value = getattr(args, sub, None)
         if value:
             words.append(value)
@@ -166,10 +166,21 @@ def fake_model(directory: Path) -> Path:
     return directory
 
 
+AUTH_SECRET = "/auth/secret"
+AUTH_TOKEN = "/auth/token"
+"""Where each kvloop container finds its credentials (the cluster secret on brokers, its own token on the others)."""
+
+
 def stand_ins(tmp: Path) -> dict[str, str]:
-    """In-image paths -> local stand-ins (the layout file is written by running the fingerprint command)."""
+    """In-image paths -> local stand-ins (the layout file is written by running the fingerprint command; the
+    credentials by ``kvloop auth init``, any token standing in for each caller's own)."""
     model = str(fake_model(tmp / "model"))
-    return {**dict.fromkeys(MODEL_PATHS, model), LAYOUT_FILE: str(tmp / "layout.yaml")}
+    from kvloop.cli import main
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["auth", "init", "--dir", str(tmp / "auth"), "--router", "router"]) == 0
+    return {**dict.fromkeys(MODEL_PATHS, model), LAYOUT_FILE: str(tmp / "layout.yaml"),
+            AUTH_SECRET: str(tmp / "auth" / "broker" / "secret"), AUTH_TOKEN: str(tmp / "auth" / "router" / "token")}
 
 
 def run_fingerprint(checked: Checked, paths: Mapping[str, str]) -> Path:

@@ -22,6 +22,8 @@ import yaml
 from kvloop.broker.config import BrokerConfig
 from kvloop.engines.config import EngineConfig
 from tests.deploy.support import (
+    AUTH_SECRET,
+    AUTH_TOKEN,
     DEPLOY,
     ROOT,
     Checked,
@@ -135,6 +137,33 @@ def check_compose(doc: dict[str, Any], tmp: Path) -> dict[str, Checked]:
     return checked
 
 
+def check_credentials(doc: dict[str, Any], checked: dict[str, Checked]) -> None:
+    """The auth job writes the secret and one token per caller, each into a volume of its own; the brokers mount the
+    secret's, the router and each sidecar only their own token's (minted for their name or engine id)."""
+    services = doc["services"]
+    jobs = [n for n, c in checked.items() if c.command == "auth init"]
+    assert len(jobs) == 1, jobs
+    job = checked[jobs[0]].args
+    made = {Path(str(v).split(":")[1]).name: str(v).split(":")[0] for v in services[jobs[0]]["volumes"]}
+    assert set(made) == {"broker", *job.engine, *job.router, *job.operator}, made
+    users: dict[str, set[str]] = {}
+    for name, c in checked.items():
+        mounts = {str(v).split(":")[1]: str(v).split(":")[0] for v in services[name].get("volumes", [])}
+        for volume in mounts.values():
+            users.setdefault(volume, set()).add(name)
+        if c.command == "broker serve":
+            assert c.env.get("KVLOOP_BROKER_AUTH_SECRET_FILE") == AUTH_SECRET, name
+            assert mounts.get(str(Path(AUTH_SECRET).parent)) == made["broker"], name
+        elif c.command in ("router", "sidecar"):
+            subject = getattr(c.config, "engine_id", "") if c.command == "sidecar" else "router"
+            prefix = "KVLOOP_SIDECAR_" if c.command == "sidecar" else "KVLOOP_ROUTER_"
+            assert c.env.get(prefix + "BROKER_TOKEN_FILE") == AUTH_TOKEN, name
+            assert mounts.get(str(Path(AUTH_TOKEN).parent)) == made[subject], f"{name}: not its own token"
+    for subject, volume in made.items():
+        if subject not in ("broker", "operator"):
+            assert len(users[volume] - set(jobs)) == 1, f"{volume} is mounted by {sorted(users[volume])}"
+
+
 def check_topology(doc: dict[str, Any], checked: dict[str, Checked]) -> None:
     services = doc["services"]
     by_command: dict[str, list[str]] = {}
@@ -201,7 +230,7 @@ def check_topology(doc: dict[str, Any], checked: dict[str, Checked]) -> None:
         else:
             assert host in services, f"prometheus: {t} is no service"
     for name, c in checked.items():
-        if c.command != "model fingerprint":
+        if c.command not in ("model fingerprint", "auth init"):  # one-shot jobs
             assert any(t.split(":")[0] == name for t in scraped), f"prometheus does not scrape {name}"
 
 
@@ -228,8 +257,9 @@ def test_compose_kvloop_services_through_the_real_cli(tmp_path: Path) -> None:
     doc = interpolate(load(BASE), SHELL_ENV)
     checked = check_compose(doc, tmp_path)
     assert {c.command for c in checked.values()} == {"broker serve", "router", "engine", "sidecar",
-                                                      "model fingerprint"}
+                                                      "model fingerprint", "auth init"}
     check_topology(doc, checked)
+    check_credentials(doc, checked)
     for name in ("etcd", "otel-collector", "jaeger", "prometheus", "grafana"):
         assert name in doc["services"], name
 

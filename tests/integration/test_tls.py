@@ -185,7 +185,7 @@ async def test_a_valid_certificate_acts_only_for_its_own_engine(mtls_broker: pro
                 engine=engine("eng-c", pb.ENGINE_ROLE_DECODE, FP)), timeout=5), denied, "not in allowed_engines")
         # Engines are not routers (client_identities = router).
         await refused(eng_a.Place(place_request(tokens(384), FP), timeout=5), denied,
-                      "caller: Place is not allowed for certificate names ['eng-a']")
+                      "caller: Place is for routers; this caller is a certificate naming ['eng-a']")
         await refused(eng_a.Inspect(pb.InspectRequest(), timeout=5), denied, "caller: Inspect")
         # The broker refuses the stream when it opens, by the caller's certificate, before reading a batch. A batch
         # written here could race that refusal and fail on the client first (INTERNAL, seen once), so none is sent.
@@ -302,7 +302,8 @@ async def test_sidecar_registers_over_mtls_and_a_wrong_identity_is_refused(mtls_
     (tmp_path / "t").mkdir()
     good = FakeConnector(tmp_path / "s" / "s.sock")
     bad = FakeConnector(tmp_path / "t" / "s.sock")
-    async with Client(address, pki.client(pki.router)) as router:
+    # An operator's certificate: a router's Inspect shows no leases (broker.access).
+    async with Client(address, pki.client(pki.ops)) as router:
         async def engines() -> set[str]:
             return {e.engine.engine_id for e in (await router.Inspect(pb.InspectRequest(), timeout=5)).engines}
 

@@ -131,6 +131,10 @@ def test_tokens_name_a_role_and_an_engine_and_each_rpc_wants_its_own(tmp_path: P
     assert not a.check("Inspect", pb.InspectRequest(), router, owner).full_view  # engines only
     assert a.check("Inspect", pb.InspectRequest(), operator, owner).full_view
     a.check("KeepAlive", pb.KeepAliveRequest(engine_id="dec-7"), operator, owner)  # operators: every call
+    pool = TokenCall(mint(secret, "engine", "kvloop-prefill-*", 1000.0))  # a Deployment's pods
+    a.check("KeepAlive", pb.KeepAliveRequest(engine_id="kvloop-prefill-7c9d"), pool, owner)
+    with pytest.raises(PermissionDenied):
+        a.check("KeepAlive", pb.KeepAliveRequest(engine_id="kvloop-decode-1"), pool, owner)
     for method, request in (("Place", pb.PlaceRequest()), ("PinBlocks", pb.PinBlocksRequest()),
                             ("CompleteTransfer", pb.CompleteTransferRequest())):
         a.check(method, request, router, owner)
