@@ -94,7 +94,8 @@ async def test_each_role_gets_its_calls_and_nothing_else(start_broker, tmp_path:
             await eng.Inspect(pb.InspectRequest(), timeout=5)
         assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
         routed = await router.Inspect(pb.InspectRequest(), timeout=5)
-        assert [e.engine.engine_id for e in routed.engines] == ["dec-1", "pre-1"] and not routed.leases and not routed.pins
+        assert [e.engine.engine_id for e in routed.engines] == ["dec-1", "pre-1"]
+        assert not routed.leases and not routed.pins
         full = await op.Inspect(pb.InspectRequest(), timeout=5)
         assert len(full.leases) == 1 and len(full.leases[0].block_ids) == 4
     finally:
