@@ -105,6 +105,26 @@ ISTIO_SCHEMAS: dict[str, dict[str, Any]] = {
                                "timeout": {"type": "string", "pattern": r"^\d+(\.\d+)?(ms|s|m|h)$"},
                                "retries": {"type": "object", "additionalProperties": False,
                                            "properties": {"attempts": {"type": "integer", "minimum": 0}}}}}}}}),
+    "AuthorizationPolicy": _istio("security.istio.io/v1", {
+        "type": "object", "additionalProperties": False, "required": ["selector", "action", "rules"],
+        "properties": {
+            "selector": {"type": "object", "additionalProperties": False, "required": ["matchLabels"],
+                         "properties": {"matchLabels": {"type": "object", "additionalProperties": {"type": "string"}}}},
+            "action": {"enum": ["ALLOW", "DENY", "AUDIT", "CUSTOM"]},
+            "rules": {"type": "array", "minItems": 1, "items": {
+                "type": "object", "additionalProperties": False,
+                "properties": {
+                    "from": {"type": "array", "items": {
+                        "type": "object", "additionalProperties": False, "required": ["source"],
+                        "properties": {"source": {"type": "object", "additionalProperties": False, "minProperties": 1,
+                                                  "properties": {k: {"type": "array", "items": {"type": "string"}}
+                                                                 for k in ("principals", "namespaces")}}}}},
+                    "to": {"type": "array", "items": {
+                        "type": "object", "additionalProperties": False, "required": ["operation"],
+                        "properties": {"operation": {
+                            "type": "object", "additionalProperties": False, "minProperties": 1,
+                            "properties": {k: {"type": "array", "items": {"type": "string"}}
+                                           for k in ("ports", "paths", "methods")}}}}}}}}}})
 }
 
 
@@ -307,6 +327,62 @@ def test_istio_overlay(tmp_path: Path) -> None:
                 dest = route["destination"]
                 assert dest["host"] in services, dest
                 assert dest["port"]["number"] in {p["port"] for p in services[dest["host"]]["spec"]["ports"]}
+
+
+def test_istio_policies_follow_the_brokers_access_tables() -> None:
+    """Each broker RPC is open, by the mesh, to the service account of the caller broker/access.py allows it to, and
+    to no other; every workload runs as its kind's service account; an engine's HTTP takes the router (and its own
+    sidecar) only; NIXL's ports, which the mesh does not see, take only engine pods."""
+    from kvloop.broker.access import ENGINE_RPCS, INSPECT_RPCS, LEASE_RPCS, ROUTER_RPCS
+
+    objects = build(str(K8S / "overlays" / "istio"))
+    accounts = {o["metadata"]["name"] for o in objects if o["kind"] == "ServiceAccount"}
+    specs = pod_specs(objects)
+    assert {n: specs[n].get("serviceAccountName") for n in specs} == {
+        "kvloop-broker": "kvloop-broker", "kvloop-router": "kvloop-router", "kvloop-prefill": "kvloop-engine",
+        "kvloop-decode": "kvloop-engine", "kvloop-etcd": None}
+    policies = {o["metadata"]["name"]: o["spec"] for o in objects if o["kind"] == "AuthorizationPolicy"}
+    principal = "cluster.local/ns/kvloop/sa/{}".format
+
+    def opened(policy: dict[str, Any], port: str) -> dict[str, set[str]]:
+        """source principal ('*' = any) -> paths ('*' = any) it may reach on ``port``."""
+        out: dict[str, set[str]] = {}
+        for rule in policy["rules"]:
+            sources = [p for f in rule.get("from", []) for p in
+                       f["source"].get("principals", [f"ns:{n}" for n in f["source"].get("namespaces", [])])]
+            for to in rule.get("to", [{"operation": {}}]):
+                op = to["operation"]
+                if port in op.get("ports", [port]):
+                    for source in sources or ["*"]:
+                        out.setdefault(source, set()).update(op.get("paths", ["*"]))
+        return out
+
+    for p in (pp for policy in policies.values() for rule in policy["rules"] for f in rule.get("from", [])
+              for pp in f["source"].get("principals", [])):
+        assert p.rsplit("/", 1)[1] in accounts, p
+    broker = opened(policies["kvloop-broker"], "50051")
+    rpc = "/kvloop.v1.KVBroker/{}".format
+    assert broker[principal("kvloop-engine")] == {rpc(m) for m in (*ENGINE_RPCS, *LEASE_RPCS)}
+    assert broker[principal("kvloop-router")] == {rpc(m) for m in (*ROUTER_RPCS, *INSPECT_RPCS)}
+    assert broker[principal("kvloop-operator")] == {rpc("*")}
+    assert all(p.startswith(("/grpc.health.v1.", "/grpc.reflection.")) for p in broker["*"]), broker["*"]
+    assert set(broker) == {principal("kvloop-engine"), principal("kvloop-router"), principal("kvloop-operator"), "*"}
+    engines = opened(policies["kvloop-engines"], "8000")
+    assert set(engines) == {principal("kvloop-router"), principal("kvloop-engine"), "ns:observability"}
+    assert engines["ns:observability"] == {"/metrics"}
+    (netpol,) = [o["spec"] for o in objects
+                 if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == "kvloop-engines"]
+    assert netpol["podSelector"] == {"matchLabels": {"app.kubernetes.io/component": "engine"}}
+    for rule in netpol["ingress"]:
+        ports = {p["port"] for p in rule.get("ports", [])}
+        if not ports:  # every port, NIXL's included: engine pods only
+            assert rule["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/component": "engine"}}}]
+        else:
+            assert 5600 not in ports, rule
+    for name in ("kvloop-prefill", "kvloop-decode"):
+        labels = next(o for o in objects if o["metadata"]["name"] == name and o["kind"] == "Deployment")[
+            "spec"]["template"]["metadata"]["labels"]
+        assert labels["app.kubernetes.io/component"] == "engine"
 
 
 def test_the_checks_catch_mistakes(tmp_path: Path) -> None:
