@@ -42,12 +42,39 @@ def pytest_configure(config: pytest.Config) -> None:
                                        "tests, lower order first")
 
 
+ENGINE_FIXTURES = frozenset({"tiny_model", "engines_broker", "pd_engines"})
+"""Fixtures that build the model or start real processes: a test that uses one is ``slow`` and ``vllm``, whatever
+its own markers say (so ``-m "not slow"`` starts no engine: :func:`no_engine_unless_slow` makes sure)."""
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            for name in ("slow", "vllm"):
+                if item.get_closest_marker(name) is None:
+                    item.add_marker(name)
+
     def key(item: pytest.Item) -> tuple[int, int]:
         marker = item.get_closest_marker("stops_engines")
         return (0, 0) if marker is None else (1, int(marker.kwargs.get("order", 1)))
 
     items.sort(key=key)  # stable: order kept otherwise; among stops_engines tests, lower order first
+
+
+@pytest.fixture(autouse=True)
+def no_engine_unless_slow(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test not marked ``slow`` that tries to start an engine fails at once (``-m "not slow"`` starts none)."""
+    if request.node.get_closest_marker("slow") is not None:
+        return
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"{request.node.nodeid} starts an engine but is not marked slow")
+
+    import kvloop.engine_set
+    import kvloop.engines.launcher
+
+    for module in (kvloop.engines.launcher, kvloop.engine_set):
+        monkeypatch.setattr(module, "spawn_engine", refuse)
 
 
 @pytest.fixture(scope="session")

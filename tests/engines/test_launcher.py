@@ -388,8 +388,6 @@ def test_launcher_cli_stops_the_engine_on_sigterm_during_startup(tiny_model: Pat
     assert not (tmp_path / "work" / "run").exists() or not any((tmp_path / "work" / "run").iterdir())
 
 
-@pytest.mark.slow
-@pytest.mark.vllm
 def cpu_list(spec: str) -> set[int]:
     """``0-2,5`` -> {0, 1, 2, 5} (the format of ``VLLM_CPU_OMP_THREADS_BIND``)."""
     cores: set[int] = set()
