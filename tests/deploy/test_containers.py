@@ -1,6 +1,6 @@
 """The compose cluster for real: images built, containers started, the demo through the router container, a pull
-across containers, a turn's trace in the trace backend, every Prometheus target up, broker fail-over by killing the
-leader's container, and nothing left after ``down``.
+across containers, a look-alike engine refused by both brokers, a turn's trace in the trace backend, every
+Prometheus target up, broker fail-over by killing the leader's container, and nothing left after ``down``.
 
 Opt-in (minutes; needs Docker Compose v2 or podman):
 ``KVLOOP_CONTAINER_TESTS=1 pytest -q tests/deploy/test_containers.py``.
@@ -224,6 +224,38 @@ def _ask(text: str) -> int:
         answer = json.loads(reply.read())
         assert answer["choices"][0]["message"]["content"] is not None
         return int(reply.status)
+
+
+LOOK_ALIKE = """
+import grpc, sys
+from kvloop.shared.auth import read_token
+from kvloop.v1 import broker_pb2 as pb, broker_pb2_grpc
+engine = pb.Engine(engine_id="impostor-0", role=pb.ENGINE_ROLE_PREFILL, block_size=128, model="tiny",
+                   layout_fingerprint="x", addresses=pb.EngineAddresses(http="http://router:9", nixl="router:9"))
+for what, token in (("none", None), ("router", read_token("/auth/token"))):
+    metadata = [("authorization", f"Bearer {token}")] if token else []
+    for broker in ("broker-0:50051", "broker-1:50051"):
+        stub = broker_pb2_grpc.KVBrokerStub(grpc.insecure_channel(broker))
+        try:
+            stub.RegisterEngine(pb.RegisterEngineRequest(engine=engine), metadata=metadata, timeout=10)
+            print(what, broker, "ACCEPTED")
+        except grpc.RpcError as exc:
+            print(what, broker, exc.code().name)
+"""
+
+
+def test_the_brokers_refuse_a_look_alike_engine(cluster: dict[str, Any]) -> None:
+    """From inside the cluster's network (the router's container): a registration with no token, or with the
+    router's own token, is refused by both brokers (the follower refuses before it would redirect)."""
+    out = exec_in("router", "python", "-c", LOOK_ALIKE)
+    lines = sorted(line.split() for line in out.splitlines() if line.strip())
+    assert lines == [["none", "broker-0:50051", "UNAUTHENTICATED"], ["none", "broker-1:50051", "UNAUTHENTICATED"],
+                     ["router", "broker-0:50051", "PERMISSION_DENIED"],
+                     ["router", "broker-1:50051", "PERMISSION_DENIED"]], out
+    status = exec_in("broker-0", "kvloop", "broker", "status", "--broker", "broker-0:50051,broker-1:50051",
+                     "--token-file", "/operator/token", "--json")
+    listed = {e["engine"]["engine_id"] for e in json.loads(status)["engines"]}
+    assert listed == {"prefill-0", "prefill-1", "decode-0"}, listed
 
 
 def test_killing_the_leader_broker_fails_over(cluster: dict[str, Any]) -> None:
