@@ -18,6 +18,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 SYSTEM = " ".join(f"Rule {i}: the agent keeps its notes short, cites block {i * 3 % 17} and never guesses."
@@ -64,31 +65,38 @@ async def wait(http: list[str], grpcs: list[str], timeout_s: float) -> int:
     return 0
 
 
-async def engine_addresses(broker: str) -> list[dict[str, str]]:
+def operator_token(path: str) -> str | None:
+    from kvloop.shared.auth import read_token
+
+    return read_token(Path(path)) if path else None
+
+
+async def engine_addresses(broker: str, token: str | None) -> list[dict[str, str]]:
     from google.protobuf.json_format import MessageToDict
 
     from kvloop.shared.client import BrokerClient
     from kvloop.v1 import broker_pb2 as pb
 
-    async with BrokerClient(broker) as client:
+    async with BrokerClient(broker, token=token) as client:
         reply = await client.call("Inspect", pb.InspectRequest())
     return [{"engine_id": e.engine.engine_id, "role": pb.EngineRole.Name(e.engine.role),
              **MessageToDict(e.engine.addresses)} for e in reply.engines]
 
 
-async def lease_ids(broker: str) -> set[str]:
+async def lease_ids(broker: str, token: str | None) -> set[str]:
     from kvloop.shared.client import BrokerClient
     from kvloop.v1 import broker_pb2 as pb
 
-    async with BrokerClient(broker) as client:
+    async with BrokerClient(broker, token=token) as client:
         reply = await client.call("Inspect", pb.InspectRequest())
     return {lease.lease_id for lease in reply.leases}
 
 
-async def chat(router: str, prefill: str, broker: str, model: str, turns: int) -> dict[str, Any]:
+async def chat(router: str, prefill: str, broker: str, model: str, turns: int, token: str | None
+               ) -> dict[str, Any]:
     import aiohttp
 
-    out: dict[str, Any] = {"engines": await engine_addresses(broker), "turns": []}
+    out: dict[str, Any] = {"engines": await engine_addresses(broker, token), "turns": []}
     messages = [{"role": "system", "content": SYSTEM}]
     async with aiohttp.ClientSession(trust_env=False, timeout=aiohttp.ClientTimeout(total=180)) as http:
         for turn in range(turns):
@@ -97,7 +105,7 @@ async def chat(router: str, prefill: str, broker: str, model: str, turns: int) -
             # is pulled from the decode engine's retained KV, over NIXL, across the namespaces.
             body = {"model": model, "messages": messages, "max_tokens": 12, "temperature": 0, "logprobs": True,
                     "top_logprobs": 2, "cache_salt": f"netns-agent-turn-{turn}"}
-            before = await lease_ids(broker)
+            before = await lease_ids(broker, token)
             async with http.post(f"{router}/v1/chat/completions", json=body,
                                  headers={"x-session-id": "netns-agent"}) as reply:
                 status, headers, answer = reply.status, dict(reply.headers), await reply.json(content_type=None)
@@ -116,7 +124,7 @@ async def chat(router: str, prefill: str, broker: str, model: str, turns: int) -
             # The decode engine's sidecar publishes this turn's KV a few ms after the answer: wait for it (bounded)
             # so the next turn's placement sees it.
             for _ in range(300):
-                if await lease_ids(broker) - before:
+                if await lease_ids(broker, token) - before:
                     break
                 await asyncio.sleep(0.05)
     return out
@@ -133,11 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("--router", "--prefill", "--broker", "--model"):
         c.add_argument(name, required=True)
     c.add_argument("--turns", type=int, default=3)
+    c.add_argument("--token-file", default="", help="an operator's token for the broker's Inspect")
     args = parser.parse_args(argv)
     if args.command == "wait":
         return asyncio.run(wait(args.http, args.grpc, args.timeout))
     print(json.dumps(asyncio.run(chat(args.router.rstrip("/"), args.prefill.rstrip("/"), args.broker, args.model,
-                                      args.turns))))
+                                      args.turns, operator_token(args.token_file)))))
     return 0
 
 

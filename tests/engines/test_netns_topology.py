@@ -33,6 +33,7 @@ from typing import Any
 import pytest
 
 from kvloop.engines.config import split_cores
+from kvloop.shared.auth import ClusterCredentials
 from tests.engines.conftest import BROKER_FLAGS, EXTRA_CONFIG
 from tests.engines.test_router import assert_same_tokens
 
@@ -297,8 +298,11 @@ def test_services_in_separate_namespaces_transfer_over_the_test_subnet(netns_per
         "--initial-advertise-peer-urls", f"http://{ADDRESS['etcd']}:2380",
         "--initial-cluster", f"kvlnet=http://{ADDRESS['etcd']}:2380", "--log-level", "warn"])
     topo.wait_ready([etcd], SERVICE_START_TIMEOUT_S, http=(f"{ETCD_URL}/health",))
+    # Every caller of the broker with its own token, as in kvloop up (kvloop.shared.auth).
+    auth = ClusterCredentials(tmp_path / "auth")
     broker = topo.spawn("broker", "broker", [
-        *py, "broker", "serve", "--listen", BROKER, "--advertise", BROKER,
+        *py, "broker", "serve", "--auth-secret-file", str(auth.secret_file),
+        "--listen", BROKER, "--advertise", BROKER,
         "--metrics-listen", f"{ADDRESS['broker']}:9460", "--store", "etcd",
         "--etcd-endpoint", f"{ADDRESS['etcd']}:2379", "--etcd-prefix", f"/{topo.tag}/", "--log-format", "json",
         *BROKER_FLAGS])
@@ -315,13 +319,15 @@ def test_services_in_separate_namespaces_transfer_over_the_test_subnet(netns_per
             "--kv-role", "kv_producer" if role == "prefill" else "kv_consumer",
             "--kv-connector-extra-config", EXTRA_CONFIG, "--host", host, "--port", str(ENGINE_PORT),
             "--nixl-host", host, "--nixl-port", str(NIXL_PORT), "--sidecar-listen", f"{host}:{SIDECAR_PORT}",
-            "--broker", BROKER, "--work-dir", str(tmp_path / "work"), "--startup-timeout-s",
+            "--broker", BROKER, "--broker-token-file", str(auth.token_file("engine", f"{role}-netns")),
+            "--work-dir", str(tmp_path / "work"), "--startup-timeout-s",
             str(int(ENGINE_START_TIMEOUT_S)), "--log-format", "json"], env=env))
     topo.wait_ready([etcd, broker, *engines], ENGINE_START_TIMEOUT_S,
                     http=tuple(f"http://{ADDRESS[r]}:{ENGINE_PORT}/health" for r in ("prefill", "decode")),
                     grpc=tuple(f"{ADDRESS[r]}:{SIDECAR_PORT}/kvloop.v1.EngineLink" for r in ("prefill", "decode")))
     router = topo.spawn("router", "router", [
         *py, "router", "--listen", ROUTER_URL.removeprefix("http://"), "--broker", BROKER, "--refresh-s", "0.5",
+        "--broker-token-file", str(auth.token_file("router", "router")),
         "--no-decode-local",  # this test is about the pull across hosts: strict P/D
         "--log-format", "json"])
     topo.wait_ready([etcd, broker, *engines, router], SERVICE_START_TIMEOUT_S, http=(f"{ROUTER_URL}/health",))
@@ -344,7 +350,8 @@ def test_services_in_separate_namespaces_transfer_over_the_test_subnet(netns_per
 
     before = {role: topo.counters(role) for role in ("prefill", "decode")}
     result = topo.client("chat", "--router", ROUTER_URL, "--prefill", f"http://{ADDRESS['prefill']}:{ENGINE_PORT}",
-                         "--broker", BROKER, "--model", tiny_model.name, "--turns", "3", timeout_s=CHAT_TIMEOUT_S)
+                         "--broker", BROKER, "--model", tiny_model.name, "--turns", "3",
+                         "--token-file", str(auth.token_file("operator", "operator")), timeout_s=CHAT_TIMEOUT_S)
     after = {role: topo.counters(role) for role in ("prefill", "decode")}
     logs = "\n".join([*(f"--- {s.name}\n{s.log_tail(15)}" for s in topo.services),
                       *(f"--- {p.name}\n{chr(10).join(p.read_text(errors='replace').splitlines()[-15:])}"
