@@ -236,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--tls-server-name", default="", help="name the broker's certificate must carry")
     status.add_argument("--token-file", type=Path, default=os.environ.get("KVLOOP_TOKEN_FILE") or None,
                         help="file holding an operator's bearer token (env KVLOOP_TOKEN_FILE; `kvloop up` writes "
-                             "one to WORK/auth/operator.token)")
+                             "one to WORK/auth/operator-operator.token)")
     status.set_defaults(func=_broker_status)
 
     auth = sub.add_parser("auth", help="cluster secrets and callers' tokens (kvloop.shared.auth)").add_subparsers(

@@ -50,9 +50,10 @@ def cap_ipc_spin(seconds: float) -> None:
     The notification is only a hint, and it can be lost: a parked reader then re-reads the authoritative
     shared-memory flag only after vLLM's ``SHM_READER_RECHECK_INTERVAL_MS`` (5 s). With a 1 s spin a reader is
     rarely parked while serving; with a short spin it parks between every two steps, and lost notifications
-    stalled requests and streams for 5 s (``tests/engines/test_queue_wakeups.py``: 9 of 60 requests). One way
-    they are lost is the writer's PUB socket, whose send high-water mark of 1 drops a notification while the
-    previous one is in flight; raising it removed 6 of those 9, not all. So the fix does not depend on why a
+    stalled requests and streams for 5 s (the load of ``tests/engines/test_queue_wakeups.py``: 41 and 25 of 60
+    requests on one core, 9 of 60 on both). One way they are lost is the writer's PUB socket, whose send
+    high-water mark of 1 drops a notification while the previous one is in flight; raising it removed 6 of those
+    9 on both cores, not all. So the fix does not depend on why a
     notification is lost: the park is bounded by :func:`recheck_ms`, and the reader re-reads the flag after
     every park, so a lost wake-up costs at most one park. Patched on the class, so queues made before the call
     follow it too. Called in every engine process by :mod:`kvloop.engines.vllm_entry` with
