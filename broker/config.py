@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvloop.broker.core import POLICIES, Limits, PlacementPolicy
 from kvloop.shared.auth import read_secrets
@@ -15,6 +17,19 @@ from kvloop.shared.telemetry import LOG_FORMATS, LOG_LEVELS
 from kvloop.shared.tls import check_files
 
 SOFT_INDEX_MAX_BLOCKS = 1 << 24
+
+
+def _core_default(cls: type, name: str) -> Any:
+    """The default the broker's core declares: each limit and policy figure has one source, the core's dataclass."""
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+
+
+def _limit(name: str) -> Any:
+    return _core_default(Limits, name)
+
+
+def _policy(name: str) -> Any:
+    return _core_default(PlacementPolicy, name)
 
 
 @dataclass(frozen=True)
@@ -30,38 +45,57 @@ class BrokerConfig(ServiceConfig):
     etcd_prefix: str = setting("/kvloop/", "etcd key prefix; one per broker cluster")
     replica_id: str = setting("", "this replica's id in leader election (default: host-pid)")
     leader_ttl_s: int = setting(5, "leader lease TTL in seconds; failover takes up to this long")
-    default_ttl_s: float = setting(480.0, "retention TTL of a lease published without one (upstream's 480 s)")
-    min_ttl_s: float = setting(1.0, "smallest retention TTL accepted")
-    max_ttl_s: float = setting(86400.0, "largest retention TTL accepted")
-    default_pin_timeout_s: float = setting(10.0, "pin timeout when a reader gives none")
-    max_pin_timeout_s: float = setting(120.0, "largest pin timeout accepted")
-    engine_ttl_s: float = setting(10.0, "an engine silent this long is dropped with its leases")
+    default_ttl_s: float = setting(_limit("default_ttl_s"),
+        "retention TTL of a lease published without one (upstream's 480 s)")
+    min_ttl_s: float = setting(_limit("min_ttl_s"), "smallest retention TTL accepted")
+    max_ttl_s: float = setting(_limit("max_ttl_s"), "largest retention TTL accepted")
+    default_pin_timeout_s: float = setting(_limit("default_pin_timeout_s"), "pin timeout when a reader gives none")
+    max_pin_timeout_s: float = setting(_limit("max_pin_timeout_s"), "largest pin timeout accepted")
+    engine_ttl_s: float = setting(_limit("engine_ttl_s"), "an engine silent this long is dropped with its leases")
     keepalive_interval_s: float = setting(3.0, "keep-alive period the broker asks engines for")
-    max_block_keys: int = setting(8192, "most block keys in one request (8192 x 128 tokens = 1M tokens)")
+    max_block_keys: int = setting(_limit("max_block_keys"),
+        "most block keys in one request (8192 x 128 tokens = 1M tokens)")
     max_message_bytes: int = setting(4 * 1024 * 1024, "largest gRPC message accepted, in bytes")
-    max_id_len: int = setting(256, "longest engine, session, lease or pin id accepted")
-    eviction_log_size: int = setting(4096, "eviction commands kept per engine for replay on reconnect")
-    soft_index_max_blocks: int = setting(65536, "soft index: most block keys kept per engine from its prefix-cache "
-                                                "events (the oldest-stored go first); memory only")
-    max_cache_event_keys: int = setting(4096, "most stored (and most removed) keys in one ReportCacheEvents batch")
+    max_id_len: int = setting(_limit("max_id_len"), "longest engine, session, lease or pin id accepted")
+    eviction_log_size: int = setting(_limit("eviction_log_size"),
+        "eviction commands kept per engine for replay on reconnect")
+    soft_index_max_blocks: int = setting(_limit("soft_index_max_blocks"),
+        "soft index: most block keys kept per engine from its prefix-cache events (the oldest-stored go "
+        "first); memory only")
+    max_cache_event_keys: int = setting(_limit("max_cache_event_keys"),
+        "most stored (and most removed) keys in one ReportCacheEvents batch")
     eviction_policy: str = setting("cost", "victim choice: cost (cheapest to recompute per block) or lru",
                                    choices=POLICIES)
     recency_half_life_s: float = setting(120.0, "cost policy: a lease's value halves every this many idle seconds")
-    threshold_tokens: int = setting(64, "recompute below this many matched tokens (upstream's default)")
-    default_bandwidth_bytes_per_s: float = setting(1e9, "NIXL bandwidth assumed until engines report one")
-    default_prefill_tokens_per_s: float = setting(5000.0, "prefill throughput assumed until engines report one")
-    default_bytes_per_block: int = setting(262144, "KV bytes per block assumed until engines report it")
-    transfer_overhead_s: float = setting(0.005, "fixed cost of one pull (handshake, notifications, extra step)")
-    sticky_load_gap: float = setting(4.0, "keep a session's decode engine unless it has this many more requests")
-    pd_hop_s: float = setting(0.08, "cost model: fixed seconds of the P/D hop (prefill round trip, the decode's "
-                                    "read of the new blocks, its first step), measured on the benchmark")
-    queue_penalty_s: float = setting(0.05, "cost model: estimated wait per request running or queued on an engine")
-    decode_local: bool = setting(True, "allow DECODE_LOCAL: a decode engine holding the prefix computes a short "
-                                       "tail itself (off: strict disaggregation)")
-    decode_local_max_tokens: int = setting(512, "DECODE_LOCAL only for an uncached tail of at most this many tokens")
-    decode_local_max_share: float = setting(0.5, "DECODE_LOCAL only when the tail is at most this share of the prompt")
-    decode_local_max_running: int = setting(8, "DECODE_LOCAL only while the decode engine runs fewer requests than "
-                                               "this and queues none (so long prefills never stall its streams)")
+    threshold_tokens: int = setting(_policy("threshold_tokens"),
+        "recompute below this many matched tokens (upstream's default)")
+    default_bandwidth_bytes_per_s: float = setting(_policy("default_bandwidth_bytes_per_s"),
+        "NIXL bandwidth assumed until engines report one")
+    default_prefill_tokens_per_s: float = setting(_policy("default_prefill_tokens_per_s"),
+        "prefill throughput assumed until engines report one")
+    default_bytes_per_block: int = setting(_policy("default_bytes_per_block"),
+        "KV bytes per block assumed until engines report it")
+    transfer_overhead_s: float = setting(_policy("transfer_overhead_s"),
+        "fixed cost of one pull (handshake, notifications, extra step)")
+    sticky_load_gap: float = setting(_policy("sticky_load_gap"),
+        "keep a session's decode engine unless it has this many more requests")
+    pd_hop_s: float = setting(_policy("pd_hop_s"),
+        "cost model: fixed seconds of the P/D hop (prefill round trip, the decode's read of the new blocks, "
+        "its first step), measured on the benchmark")
+    queue_penalty_s: float = setting(_policy("queue_penalty_s"),
+        "cost model: estimated wait per request running or queued on an engine")
+    decode_local: bool = setting(_policy("decode_local"),
+        "allow DECODE_LOCAL: a decode engine holding the prefix computes a short tail itself (off: strict "
+        "disaggregation)")
+    decode_local_max_tokens: int = setting(_policy("decode_local_max_tokens"),
+        "DECODE_LOCAL only for an uncached tail of at most this many tokens")
+    decode_local_max_share: float = setting(_policy("decode_local_max_share"),
+        "DECODE_LOCAL only when the tail is at most this share of the prompt")
+    decode_local_max_running: int = setting(_policy("decode_local_max_running"),
+        "DECODE_LOCAL only while the decode engine runs fewer requests than this and queues none (so long "
+        "prefills never stall its streams)")
+    in_flight_ttl_s: float = setting(_policy("in_flight_ttl_s"), "a router's counts of its requests in flight "
+                                     "stand for this long after its last placement (they price load and veto)")
     tick_interval_s: float = setting(0.25, "how often leases, pins and engines are checked for expiry")
     shutdown_grace_s: float = setting(5.0, "on SIGTERM, how long in-flight RPCs may finish")
     tls_cert: Path | None = setting(None, "PEM certificate (chain) of the gRPC port; with tls_key: TLS on")
@@ -152,26 +186,12 @@ class BrokerConfig(ServiceConfig):
         return self.replica_id or f"{socket.gethostname()}-{os.getpid()}"
 
     def limits(self) -> Limits:
-        return Limits(
-            max_block_keys=self.max_block_keys, min_ttl_s=self.min_ttl_s, max_ttl_s=self.max_ttl_s,
-            default_ttl_s=self.default_ttl_s, default_pin_timeout_s=self.default_pin_timeout_s,
-            max_pin_timeout_s=self.max_pin_timeout_s, engine_ttl_s=self.engine_ttl_s, max_id_len=self.max_id_len,
-            eviction_log_size=self.eviction_log_size, soft_index_max_blocks=self.soft_index_max_blocks,
-            max_cache_event_keys=self.max_cache_event_keys,
-        )
+        """The core's limits, from the fields of the same names."""
+        return Limits(**self._core_fields(Limits))
 
     def placement(self) -> PlacementPolicy:
-        return PlacementPolicy(
-            threshold_tokens=self.threshold_tokens,
-            default_bandwidth_bytes_per_s=self.default_bandwidth_bytes_per_s,
-            default_prefill_tokens_per_s=self.default_prefill_tokens_per_s,
-            default_bytes_per_block=self.default_bytes_per_block,
-            transfer_overhead_s=self.transfer_overhead_s,
-            sticky_load_gap=self.sticky_load_gap,
-            pd_hop_s=self.pd_hop_s,
-            queue_penalty_s=self.queue_penalty_s,
-            decode_local=self.decode_local,
-            decode_local_max_tokens=self.decode_local_max_tokens,
-            decode_local_max_share=self.decode_local_max_share,
-            decode_local_max_running=self.decode_local_max_running,
-        )
+        """The core's placement policy, from the fields of the same names."""
+        return PlacementPolicy(**self._core_fields(PlacementPolicy))
+
+    def _core_fields(self, cls: type) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(cls) if hasattr(self, f.name)}

@@ -210,6 +210,9 @@ class BrokerService(broker_pb2_grpc.KVBrokerServicer):
         place_input = PlaceInput(keys=list(request.block_keys), num_tokens=request.num_tokens,
                                  layout_fingerprint=request.layout_fingerprint, block_size=request.block_size,
                                  session_id=request.session_id, decode_local=not request.no_decode_local)
+        if request.counts_in_flight:
+            router, counts = _router_name(request), dict(request.in_flight)
+            self.runtime.volatile(lambda s, now: s.report_in_flight(router, counts, now))
         plan = self.runtime.read(lambda s, now: s.place(place_input, now))
         pin = None
         if request.pin and plan.decision is Decision.TRANSFER:
@@ -322,3 +325,12 @@ class BrokerService(broker_pb2_grpc.KVBrokerServicer):
                     await asyncio.wait_for(event.wait(), timeout=5.0)
         finally:
             self.runtime.unsubscribe(engine_id, event)
+
+
+def _router_name(request: pb.PlaceRequest) -> str:
+    """Whose in-flight counts these are: the authenticated caller's name, so no router can overwrite another's;
+    the request's ``router_id`` only where nobody is authenticated (development)."""
+    caller = CALLER.get()
+    if caller.how != "open":
+        return caller.subject or min(caller.names, default="router")
+    return request.router_id or "router"

@@ -36,6 +36,7 @@ from opentelemetry import propagate, trace
 
 from kvloop.router.config import RouterConfig
 from kvloop.router.directory import Directory, EngineInfo
+from kvloop.router.in_flight import InFlightCounts, router_id
 from kvloop.router.metrics import RouterMetrics
 from kvloop.router.recent import RecentTurns
 from kvloop.router.records import RecordWriter, turn_record
@@ -163,6 +164,10 @@ class TurnRunner:
                                    tls=TlsFiles.of(config, "broker_tls_"), token=token_of(config)) \
             if config.broker else None
         self.placements = PlacementStream(self.broker) if self.broker else None
+        self.in_flight = InFlightCounts()
+        """Prefill and decode requests this router has sent and not yet seen end, per engine (sent with each
+        placement: the broker prices load on them)."""
+        self.router_id = router_id()
         self._background: set[asyncio.Task[Any]] = set()
         self.recent = RecentTurns(config.publication_wait_s)
         self.tokenizer = RouterTokenizer(config.tokenizer) if config.tokenizer else None
@@ -382,7 +387,9 @@ class TurnRunner:
         request = pb.PlaceRequest(session_id=session, block_keys=keys, num_tokens=len(tokens),
                                   layout_fingerprint=fingerprint, block_size=block_size, pin=True,
                                   no_decode_local=not self.config.decode_local,
-                                  traceparent=carrier.get("traceparent", ""))
+                                  traceparent=carrier.get("traceparent", ""),
+                                  in_flight=self.in_flight.snapshot(), counts_in_flight=True,
+                                  router_id=self.router_id)
         plan, cause = await self._place_once(request)
         wait_ms = 0.0
         # The previous answer's lease may be a few ms from published (router/recent.py): place again until the
@@ -478,8 +485,10 @@ class TurnRunner:
         while engine is not None:
             tried.add(engine.engine_id)
             try:
-                return await self._post(engine, "/v1/chat/completions" if "messages" in body else "/v1/completions",
-                                        request), engine
+                with self.in_flight.track(engine.engine_id):
+                    reply = await self._post(engine, "/v1/chat/completions" if "messages" in body
+                                             else "/v1/completions", request)
+                return reply, engine
             except EngineReplyError as exc:
                 if exc.status < 500:
                     raise exc.turn_error() from None
@@ -586,25 +595,27 @@ class TurnRunner:
                 if ledger.started:
                     ledger.resume()
             try:
-                async with self.http.post(f"{engine.http}{self.path(prepared)}", json=request,
-                                          headers=self._headers(prepared.span), timeout=self.engine_timeout()) as reply:
-                    if reply.status >= 400:
-                        data = await reply.json(content_type=None)
-                        if reply.status < 500:
-                            raise EngineReplyError(reply.status, data).turn_error()
-                        last = f"{engine.engine_id} answered {reply.status}"
-                        self.metrics.fallbacks.labels("decode_retry").inc()
-                        continue
-                    prepared.decode = engine
-                    async for line in reply.content:
-                        if not resumable:
-                            ledger.chunks += 1  # only that the client has had something
-                            yield line
-                        elif (relayed := ledger.relay(line)) is not None:
-                            yield relayed
-                    if ledger.diverged:
-                        self.metrics.fallbacks.labels("decode_resume_diverged").inc()
-                    return
+                with self.in_flight.track(engine.engine_id):
+                    async with self.http.post(f"{engine.http}{self.path(prepared)}", json=request,
+                                              headers=self._headers(prepared.span),
+                                              timeout=self.engine_timeout()) as reply:
+                        if reply.status >= 400:
+                            data = await reply.json(content_type=None)
+                            if reply.status < 500:
+                                raise EngineReplyError(reply.status, data).turn_error()
+                            last = f"{engine.engine_id} answered {reply.status}"
+                            self.metrics.fallbacks.labels("decode_retry").inc()
+                            continue
+                        prepared.decode = engine
+                        async for line in reply.content:
+                            if not resumable:
+                                ledger.chunks += 1  # only that the client has had something
+                                yield line
+                            elif (relayed := ledger.relay(line)) is not None:
+                                yield relayed
+                        if ledger.diverged:
+                            self.metrics.fallbacks.labels("decode_resume_diverged").inc()
+                        return
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
                 last = f"{engine.engine_id}: {exc or type(exc).__name__}"
                 if ledger.started and not resumable:
@@ -623,7 +634,8 @@ class TurnRunner:
             if attempt:
                 request = self.retry_request(prepared)
             try:
-                reply = await self._post(engine, self.path(prepared), request, prepared.span)
+                with self.in_flight.track(engine.engine_id):
+                    reply = await self._post(engine, self.path(prepared), request, prepared.span)
                 prepared.decode = engine
                 reply.pop("kv_transfer_params", None)  # internal to the cluster
                 return reply

@@ -55,6 +55,8 @@ class PlacementPolicy:
     """... and at most this share of the prompt."""
     decode_local_max_running: int = 8
     """... and the decode engine runs fewer requests than this and queues none (the busy veto)."""
+    in_flight_ttl_s: float = 10.0
+    """A router's counts of its requests in flight stand for this long after its last Place (see .in_flight)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,13 +6,15 @@ The shell persists what changed (``take_changes``) and delivers eviction command
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import uuid
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvloop.broker.core.eviction import EvictionPolicy, RefView, choose_victims
+from kvloop.broker.core.in_flight import InFlight
 from kvloop.broker.core.index import BlockIndex, Match
 from kvloop.broker.core.model import (
     EngineInfo,
@@ -140,6 +142,8 @@ class BrokerState:
         self._logs: dict[str, deque[EvictionCommand]] = {}
         self.soft = SoftIndex(self.limits.soft_index_max_blocks)
         """Each engine's prefix cache as its KV events tell it: in memory only, never in ``Changes``."""
+        self.in_flight = InFlight(ttl_s=self.placement_policy.in_flight_ttl_s)
+        """The routers' requests in flight per engine: in memory only, never in ``Changes``."""
         self._changes = Changes()
 
     # ----------------------------------------------------------------- bookkeeping
@@ -537,8 +541,23 @@ class BrokerState:
         if held:
             latest = max((self.leases[lid] for lid in held), key=lambda lease: lease.last_used)
             session_engine = latest.engine_id
-        return place(request, list(self.engines.values()), matches, self.placement_policy, session_engine,
+        return place(request, self.engines_as_placed(now), matches, self.placement_policy, session_engine,
                      cached=self.cached_prefixes(request))
+
+    def report_in_flight(self, router: str, counts: Mapping[str, int], now: float) -> None:
+        """A router's requests in flight per engine id, at ``now`` (see :mod:`.in_flight`)."""
+        _check_id(router, "router_id", self.limits.max_id_len)
+        self.in_flight.report(router, {e: n for e, n in counts.items() if e in self.engines}, now)
+
+    def engines_as_placed(self, now: float) -> list[EngineRecord]:
+        """The live engines with the load placement prices: where routers count their requests in flight, those
+        counts replace the sidecars' (older) running and waiting figures; KV usage, pressure and rates stay."""
+        totals = self.in_flight.totals(now)
+        if totals is None:
+            return list(self.engines.values())
+        return [dataclasses.replace(rec, load=dataclasses.replace(
+                    rec.load, running_requests=totals.get(engine_id, 0), waiting_requests=0))
+                for engine_id, rec in self.engines.items()]
 
     def cached_prefixes(self, request: PlaceInput) -> dict[str, int]:
         """Per live engine of the request's layout, how many leading blocks of ``request.keys`` its own prefix

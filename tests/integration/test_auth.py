@@ -90,6 +90,17 @@ async def test_each_role_gets_its_calls_and_nothing_else(start_broker, tmp_path:
             assert refused.value.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
         plan = await router.Place(place_request(tokens(640), FP, session="s"), timeout=5)
         assert plan.matched_blocks == 4 and plan.source_engine_id == "dec-1"
+        # The busy veto on a router's in-flight counts: the decode engine's report says it queues a request; the
+        # router, which has nothing in flight there, places the short tail on it anyway.
+        await eng.KeepAlive(pb.KeepAliveRequest(engine_id="dec-1", load=pb.EngineLoad(waiting_requests=1)),
+                            timeout=5)
+        local = place_request(tokens(640), FP, session="s", decode_local=True)
+        assert (await router.Place(local, timeout=5)).decode_local_veto == "decode_busy"
+        local.counts_in_flight, local.router_id = True, "any name: the token names the router"
+        idle = await router.Place(local, timeout=5)
+        assert (idle.decision, idle.decode_local_veto) == (pb.DECISION_DECODE_LOCAL, "")
+        local.in_flight["dec-1"] = 8
+        assert (await router.Place(local, timeout=5)).decode_local_veto == "decode_busy"
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await eng.Inspect(pb.InspectRequest(), timeout=5)
         assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED

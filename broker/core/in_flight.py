@@ -1,0 +1,50 @@
+"""Requests in flight per engine, as the routers count them: the load placement sees at the moment it places.
+
+An engine's sidecar reports its load on its keep-alive (every few seconds), so a report can be older than the
+previous turn: a decode engine still counted as busy (or idle) after its request ended (or began). Routers know
+exactly what they have in flight, at the moment they ask. Each ``Place`` may carry its router's counts; this
+book keeps every router's latest counts and sums them per engine.
+
+Contract:
+- ``report(router, counts, now)`` replaces that router's counts (an engine it leaves out has none of its
+  requests in flight).
+- ``totals(now)`` sums, per engine id, the counts of the routers that reported within ``ttl_s``; ``None`` when
+  no router has (then placement falls back to the sidecars' reports, e.g. a caller of ``Place`` that counts
+  nothing, such as the benchmarks' drivers).
+- A router that stops placing stops counting after ``ttl_s``: its last counts can only be as stale as that.
+
+In memory only, never persisted (a new leader starts empty and learns from the next ``Place`` of each router).
+Tested in ``tests/unit/test_in_flight.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass
+class InFlight:
+    ttl_s: float = 10.0
+    max_routers: int = 1024
+    """Most routers kept; the one reported longest ago goes first (bounds memory against a flood of ids)."""
+    _routers: dict[str, tuple[float, dict[str, int]]] = field(default_factory=dict)
+
+    def report(self, router: str, counts: Mapping[str, int], now: float) -> None:
+        self._routers.pop(router, None)
+        self._routers[router] = (now, {e: int(n) for e, n in counts.items() if n > 0})
+        while len(self._routers) > self.max_routers:
+            del self._routers[next(iter(self._routers))]
+
+    def totals(self, now: float) -> dict[str, int] | None:
+        fresh = [counts for seen, counts in self._routers.values() if now - seen <= self.ttl_s]
+        if not fresh:
+            return None
+        totals: dict[str, int] = {}
+        for counts in fresh:
+            for engine_id, n in counts.items():
+                totals[engine_id] = totals.get(engine_id, 0) + n
+        return totals
+
+    def routers(self, now: float) -> int:
+        return sum(1 for seen, _ in self._routers.values() if now - seen <= self.ttl_s)
