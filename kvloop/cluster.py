@@ -25,7 +25,7 @@ from typing import Any
 from kvloop.broker.config import BrokerConfig
 from kvloop.broker.server import SERVICE_NAME, RunningBroker, start_broker
 from kvloop.demo import run_demo
-from kvloop.engine_set import EngineSet, role_cores, start_engines
+from kvloop.engine_set import EngineSet, start_engines
 from kvloop.engines.config import EngineConfig, default_work_dir
 from kvloop.engines.launcher import sidecar_address
 from kvloop.engines.model import ensure_tiny_model
@@ -131,7 +131,7 @@ def pd_configs(model: Path, work: Path, broker: str, *, prefill: int, decode: in
     roles = ["prefill"] * prefill + ["decode"] * decode
     return [EngineConfig(role=role, model=model, engine_id=f"{role}-{i}", work_dir=work, broker=broker,
                          kv_role="kv_producer" if role == "prefill" else "kv_consumer",
-                         omp_threads_bind=role_cores(role), **settings) for i, role in enumerate(roles)]
+                         omp_threads_bind="role", **settings) for i, role in enumerate(roles)]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -2,7 +2,7 @@
 
 All engines are spawned at once (their start-ups overlap), then waited on until each answers ``/health``; on
 any failure, or an interrupt, every engine of the set is stopped before the error propagates. Stopping is
-parallel. Core binding on one machine is decided here, in :func:`role_cores`, and nowhere else.
+parallel. Core binding on one machine is decided in :func:`kvloop.engines.config.role_cores`, and nowhere else.
 """
 
 from __future__ import annotations
@@ -11,17 +11,8 @@ import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from kvloop.engines.config import EngineConfig, split_cores
+from kvloop.engines.config import EngineConfig
 from kvloop.engines.launcher import EngineProcess, plan_engine, spawn_engine
-
-
-def role_cores(role: str) -> str:
-    """``omp_threads_bind`` for an engine of ``role`` on this machine: prefill engines share the first half of
-    this process's cores and decode engines the second, so a decode step never waits behind a prefill (and
-    vLLM's spinning CPU workers of one role cannot starve the other's NIXL threads); an aggregated engine
-    (``both``) gets every core."""
-    prefill, decode = split_cores(2)
-    return {"prefill": prefill, "decode": decode}.get(role, "auto")
 
 
 @dataclass

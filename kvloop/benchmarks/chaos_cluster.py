@@ -17,8 +17,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kvloop.engine_set import role_cores
-from kvloop.engines.config import EngineConfig
+from kvloop.engines.config import EngineConfig, role_cores
 from kvloop.engines.launcher import EngineProcess, pick_port, plan_engine, spawn_engine, spawn_sidecar
 from kvloop.router.config import RouterConfig
 from kvloop.router.server import RunningRouter, start_router

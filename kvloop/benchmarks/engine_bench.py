@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from kvloop.benchmarks.pd_driver import PDDriver, post_json
-from kvloop.engine_set import EngineSet, role_cores, start_engines
-from kvloop.engines.config import EngineConfig, default_work_dir
+from kvloop.engine_set import EngineSet, start_engines
+from kvloop.engines.config import EngineConfig, default_work_dir, role_cores
 from kvloop.engines.launcher import EngineProcess
 from kvloop.engines.layout import engine_fingerprint
 from kvloop.engines.model import ensure_tiny_model

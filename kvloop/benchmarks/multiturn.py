@@ -59,8 +59,8 @@ from kvloop.benchmarks.stats import (
 )
 from kvloop.benchmarks.workload import AgentSpec, Conversation, WorkloadSpec, agent, describe, replay, synthetic
 from kvloop.cluster import LocalCluster
-from kvloop.engine_set import EngineSet, role_cores, start_engines
-from kvloop.engines.config import EngineConfig, default_work_dir
+from kvloop.engine_set import EngineSet, start_engines
+from kvloop.engines.config import EngineConfig, default_work_dir, role_cores
 from kvloop.engines.model import ensure_tiny_model
 from kvloop.shared.http import engine_client_connector, metric_by_label, metric_total, read_metrics
 

@@ -181,6 +181,9 @@ def check_topology(doc: dict[str, Any], checked: dict[str, Checked]) -> None:
     engines = {n: c for n, c in checked.items() if c.command == "engine"}
     roles = sorted(c.config.role for c in engines.values() if isinstance(c.config, EngineConfig))
     assert roles == ["decode", "prefill", "prefill"], roles
+    # The engines share the host: each binds its role's share of the cores, as `kvloop up` binds them.
+    binds = {n: getattr(c.config, "omp_threads_bind", None) for n, c in engines.items()}
+    assert set(binds.values()) == {"role"}, binds
     sidecars = {n: c for n, c in checked.items() if c.command == "sidecar"}
     assert len(sidecars) == len(engines)
     for engine_name, engine in engines.items():

@@ -294,6 +294,17 @@ def test_overlay_builds_and_validates(overlay: str, tmp_path: Path) -> None:
         assert expected in kinds, expected
 
 
+def test_engines_bind_their_cores_by_role_where_they_share_a_node(tmp_path: Path) -> None:
+    """The development overlay puts every engine on one node without cpusets: each takes its role's share of the
+    node's cores, the binding `kvloop up` and compose use. The base (a node or a cpuset per pod) takes them all."""
+    for overlay, expected in (("cpu-dev", "role"), (None, "auto")):
+        where = str(K8S / "overlays" / overlay) if overlay else str(K8S / "base")
+        pods = check_pods(build(where), tmp_path)
+        for name in ("kvloop-prefill", "kvloop-decode"):
+            config = pods[name]["engine"].config
+            assert isinstance(config, EngineConfig) and config.omp_threads_bind == expected, (overlay, name)
+
+
 def test_gpu_overlay_asks_for_gpus(tmp_path: Path) -> None:
     specs = pod_specs(build(str(K8S / "overlays" / "gpu")))
     for name in ("kvloop-prefill", "kvloop-decode"):

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from kvloop.engine_set import role_cores, start_engines, stop_all
-from kvloop.engines.config import EngineConfig, vllm_distribution
+from kvloop.engine_set import start_engines, stop_all
+from kvloop.engines.config import EngineConfig, role_cores, vllm_distribution
 from kvloop.engines.launcher import EngineProcess
 from kvloop.shared import procs
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from kvloop.benchmarks.stall_probe import ProbeShape, probe, summary
-from kvloop.engine_set import role_cores, start_engines
-from kvloop.engines.config import EngineConfig
+from kvloop.engine_set import start_engines
+from kvloop.engines.config import EngineConfig, role_cores
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 

@@ -20,8 +20,8 @@ import grpc
 import pytest
 
 from kvloop.benchmarks.pd_driver import PDDriver, Turn, post_json
-from kvloop.engine_set import role_cores, start_engines
-from kvloop.engines.config import EngineConfig
+from kvloop.engine_set import start_engines
+from kvloop.engines.config import EngineConfig, role_cores
 from kvloop.engines.layout import engine_fingerprint
 from kvloop.shared.protocol import decode_local_params
 from kvloop.v1 import broker_pb2 as pb

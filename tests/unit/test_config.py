@@ -331,6 +331,26 @@ def test_derived_settings() -> None:
     assert (BrokerConfig().soft_index_max_blocks, BrokerConfig().max_cache_event_keys) == (65536, 4096)
 
 
+def test_broker_defaults_are_the_cores_own() -> None:
+    """One source for each limit and policy figure: a config left at its defaults builds the core's defaults."""
+    from kvloop.broker.core import Limits, PlacementPolicy
+    assert BrokerConfig().limits() == Limits() and BrokerConfig().placement() == PlacementPolicy()
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode", "both"])
+def test_binding_by_role_is_the_one_decision_kvloop_up_takes(role: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvloop.engines.config import EngineConfig, role_cores
+    for cpus in ({0, 1}, {0, 1, 2, 3}, {0}):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, cpus=cpus: cpus)
+        bound = EngineConfig(role=role, model="m", omp_threads_bind="role").resolved_omp_threads_bind()
+        everything = EngineConfig(role=role, model="m").resolved_omp_threads_bind()
+        assert bound == (role_cores(role) if role_cores(role) != "auto" else everything), (role, cpus)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3})
+    halves = [EngineConfig(role=r, model="m", omp_threads_bind="role").resolved_omp_threads_bind()
+              for r in ("prefill", "decode")]
+    assert halves == ["0,1", "2,3"]
+
+
 SIDECAR_ENV = {"KVLOOP_SIDECAR_ENGINE_ID": "e", "KVLOOP_SIDECAR_BROKER": "127.0.0.1:1",
                "KVLOOP_SIDECAR_SOCKET": "/tmp/s", "KVLOOP_SIDECAR_ENGINE_URL": "http://x:1",
                "KVLOOP_SIDECAR_LAYOUT_FINGERPRINT": "f"}
