@@ -26,6 +26,7 @@ from kvloop.broker.core import BrokerState, Decision, EvictionCommand, PlaceInpu
 from kvloop.broker.runtime import BrokerRuntime
 from kvloop.shared.auth import Unauthenticated
 from kvloop.shared.errors import KvloopError, PermissionDenied
+from kvloop.shared.vocabulary import Reason
 from kvloop.v1 import broker_pb2 as pb
 from kvloop.v1 import broker_pb2_grpc
 
@@ -222,7 +223,7 @@ class BrokerService(broker_pb2_grpc.KVBrokerServicer):
                 pin = await self._pin(plan.prefill.engine_id, plan.source_lease_id, plan.matched_blocks, 0.0)
             except KvloopError as exc:
                 log.info("broker.place_pin_refused", lease=plan.source_lease_id, error=exc.message)
-                plan = replace(plan, decision=Decision.RECOMPUTE, reason="pin_refused", pull_tokens=0,
+                plan = replace(plan, decision=Decision.RECOMPUTE, reason=Reason.PIN_REFUSED, pull_tokens=0,
                                recompute_tokens=request.num_tokens - plan.local_tokens)
         metrics = self.runtime.metrics
         metrics.placement_latency.observe(time.perf_counter() - start)
@@ -252,7 +253,8 @@ class BrokerService(broker_pb2_grpc.KVBrokerServicer):
                     except KvloopError as exc:
                         self.runtime.metrics.rpc_errors.labels(method="PlaceStream", code=exc.status.value).inc()
                         span.set_status(Status(StatusCode.ERROR, exc.message))
-                        reply.plans.append(pb.Plan(error=f"{exc.status.value}: {exc.message}"))
+                        reply.plans.append(pb.Plan(error=f"{exc.status.value}: {exc.message}",
+                                                   error_code=_CODES[exc.status.value].value[0]))
             yield reply
 
     @rpc("ReportCacheEvents")

@@ -16,16 +16,17 @@ the demo) shows the *actual* path; the plan and the outcome of comparing them go
 from __future__ import annotations
 
 from kvloop.shared.protocol import PrefillReport
+from kvloop.shared.vocabulary import Path
 
-PATHS = ("DECODE_LOCAL", "PREFILL_LOCAL", "TRANSFER", "RECOMPUTE")
+PATHS = (Path.DECODE_LOCAL, Path.PREFILL_LOCAL, Path.TRANSFER, Path.RECOMPUTE)
 
 
 def actual_path(planned: str, report: PrefillReport) -> str:
-    if planned == "DECODE_LOCAL":
-        return "DECODE_LOCAL"
+    if planned == Path.DECODE_LOCAL:
+        return Path.DECODE_LOCAL
     if report.pulled_tokens > 0:
-        return "TRANSFER"
-    return "PREFILL_LOCAL" if report.local_tokens > 0 else "RECOMPUTE"
+        return Path.TRANSFER
+    return Path.PREFILL_LOCAL if report.local_tokens > 0 else Path.RECOMPUTE
 
 
 def plan_outcome(planned: str, actual: str, planned_reused: int, measured_reused: int, block_size: int) -> str:

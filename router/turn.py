@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import grpc
 import structlog
 from opentelemetry import propagate, trace
 
@@ -48,10 +49,14 @@ from kvloop.shared.client import BrokerClient, PlacementStream, complete_request
 from kvloop.shared.hashing import ExtraKeys, block_keys
 from kvloop.shared.protocol import SESSION_KEY, PrefillReport, decode_local_params, prefill_only_params
 from kvloop.shared.tls import TlsFiles
+from kvloop.shared.vocabulary import Fallback, Path, Reason
 from kvloop.v1 import broker_pb2 as pb
 
 log = structlog.get_logger("kvloop.router")
 tracer = trace.get_tracer("kvloop.router")
+
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
+"""A PlaceStream refusal's code when the replica is not the leader (or is stopping): place on another."""
 
 PUBLICATION_POLL_S = 0.01
 """Re-place period while a lease is due (a PlaceStream call costs the broker ~0.1 ms)."""
@@ -83,7 +88,7 @@ class Prepared:
     decode_params: dict[str, Any]
     span: Any
     started: float
-    decision: str = "RECOMPUTE"
+    decision: str = Path.RECOMPUTE
     """The planned path (what the broker chose, or RECOMPUTE when it could not be asked)."""
     reason: str = ""
     prompt_tokens: int = 0
@@ -110,7 +115,7 @@ class Prepared:
 
     @property
     def decode_local(self) -> bool:
-        return self.decision == "DECODE_LOCAL"
+        return self.decision == Path.DECODE_LOCAL
 
     @property
     def measured(self) -> bool:
@@ -305,7 +310,7 @@ class TurnRunner:
         span.set_attribute("gen_ai.usage.input_tokens", len(tokens))
         with tracer.start_as_current_span("kvloop.place") as place_span:
             plan, keys, wait_ms, pin, fallback = await self._place(tokens, session, model)
-            decision = pb.Decision.Name(plan.decision).removeprefix("DECISION_") if plan else "RECOMPUTE"
+            decision = pb.Decision.Name(plan.decision).removeprefix("DECISION_") if plan else Path.RECOMPUTE
             reason = plan.reason if plan else fallback
             place_span.set_attribute("kvloop.decision", decision)
         lap("place")
@@ -313,8 +318,8 @@ class TurnRunner:
             timings["publication_wait"] = wait_ms
         prefill = self.directory.engines.get(plan.prefill_engine_id) if plan else None
         decode = self.directory.engines.get(plan.decode_engine_id) if plan else None
-        if decision == "DECODE_LOCAL" and decode is None:
-            decision, reason = "RECOMPUTE", "decode_engine_unknown"
+        if decision == Path.DECODE_LOCAL and decode is None:
+            decision, reason = Path.RECOMPUTE, Reason.DECODE_ENGINE_UNKNOWN
         prefill = prefill or self.directory.pick("prefill", model)
         decode = decode or self.directory.pick("decode", model)
         if prefill is None or decode is None:
@@ -332,16 +337,16 @@ class TurnRunner:
                                         if e.engine_id != decode.engine_id]
         if plan is not None:
             span.set_attributes(plan_attributes(plan))
-        if decision == "DECODE_LOCAL":
+        if decision == Path.DECODE_LOCAL:
             # The decode engine serves the whole request from its own prefix cache: no prefill, no pull.
             prepared.prefill_engine = decode.engine_id
             prepared.decode_params = decode_local_params(session)
             return prepared
         params = prefill_only_params()
-        if decision == "TRANSFER" and plan is not None:
+        if decision == Path.TRANSFER and plan is not None:
             pin = pin or await self._pin(plan, prefill.engine_id)
             if pin is None:
-                prepared.decision, prepared.reason = "RECOMPUTE", "pin_refused"
+                prepared.decision, prepared.reason = Path.RECOMPUTE, Reason.PIN_REFUSED
                 prepared.planned_pull_tokens = 0
             else:
                 params = transfer_params(plan, pin)
@@ -362,7 +367,7 @@ class TurnRunner:
             failed_over = used.engine_id != prefill.engine_id
             self._complete(pin, PrefillReport(pull_failed=True) if failed_over else report)
             if failed_over or report is None or report.pull_failed:
-                prepared.reason = "pull_failed_recomputed"
+                prepared.reason = Reason.PULL_FAILED_RECOMPUTED
         p_params[SESSION_KEY] = session
         prepared.decode_params, prepared.report = p_params, report
         return prepared
@@ -376,8 +381,8 @@ class TurnRunner:
         (the broker answered the placement with an error, e.g. no live engine of that layout)."""
         layout = self.directory.layout(model)
         if self.placements is None or layout is None:
-            cause = ("no_broker" if self.placements is None else "no_layout" if self.broker_answered
-                     else "broker_unavailable")
+            cause: str = (Fallback.NO_BROKER if self.placements is None
+                          else Fallback.NO_LAYOUT if self.broker_answered else Fallback.BROKER_UNAVAILABLE)
             self.metrics.fallbacks.labels(cause).inc()
             return None, [], 0.0, None, cause
         fingerprint, block_size = layout
@@ -427,23 +432,23 @@ class TurnRunner:
                 if not last:
                     self.placements.fail_over(generation)
                     continue
-                self.metrics.fallbacks.labels("broker_unavailable").inc()
+                self.metrics.fallbacks.labels(Fallback.BROKER_UNAVAILABLE).inc()
                 log.warning("router.broker_unavailable", error=str(exc) or type(exc).__name__)
-                return None, "broker_unavailable"
-            if plan.error.startswith("UNAVAILABLE") and not last:
+                return None, Fallback.BROKER_UNAVAILABLE
+            if plan.error_code == UNAVAILABLE and not last:
                 self.placements.fail_over(generation)
                 continue
             break
         if plan.error:
             self.metrics.broker_errors.labels("Place").inc()
-            self.metrics.fallbacks.labels("place_refused").inc()
+            self.metrics.fallbacks.labels(Fallback.PLACE_REFUSED).inc()
             log.warning("router.place_refused", error=plan.error)
-            if "not the leader" in plan.error and self.placements is not None:
+            if plan.error_code == UNAVAILABLE and self.placements is not None:
                 # A follower's refusal (a fail-over, or a stream opened before the leader was known): find the
                 # leader now and reopen the stream there for the next placement.
                 await self.refresh()
                 await self.placements.close()
-            return None, "place_refused"
+            return None, Fallback.PLACE_REFUSED
         return plan, ""
 
     async def _pin(self, plan: pb.Plan, reader: str) -> pb.PinBlocksResponse | None:
@@ -495,7 +500,7 @@ class TurnRunner:
                 log.warning("router.prefill_failed", engine=engine.engine_id, status=exc.status)
             except (aiohttp.ClientError, TimeoutError) as exc:
                 log.warning("router.prefill_failed", engine=engine.engine_id, error=str(exc) or type(exc).__name__)
-            self.metrics.fallbacks.labels("prefill_retry").inc()
+            self.metrics.fallbacks.labels(Fallback.PREFILL_RETRY).inc()
             request["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False}  # no pull
             engine = self.directory.pick("prefill", model, tried)
         raise TurnError(503, "no prefill engine could serve the request")
@@ -604,7 +609,7 @@ class TurnRunner:
                             if reply.status < 500:
                                 raise EngineReplyError(reply.status, data).turn_error()
                             last = f"{engine.engine_id} answered {reply.status}"
-                            self.metrics.fallbacks.labels("decode_retry").inc()
+                            self.metrics.fallbacks.labels(Fallback.DECODE_RETRY).inc()
                             continue
                         prepared.decode = engine
                         async for line in reply.content:
@@ -614,13 +619,13 @@ class TurnRunner:
                             elif (relayed := ledger.relay(line)) is not None:
                                 yield relayed
                         if ledger.diverged:
-                            self.metrics.fallbacks.labels("decode_resume_diverged").inc()
+                            self.metrics.fallbacks.labels(Fallback.DECODE_RESUME_DIVERGED).inc()
                         return
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
                 last = f"{engine.engine_id}: {exc or type(exc).__name__}"
                 if ledger.started and not resumable:
                     raise TurnError(502, f"the decode engine failed mid-stream ({last})") from None
-                kind = "decode_resume" if ledger.started else "decode_retry"
+                kind = Fallback.DECODE_RESUME if ledger.started else Fallback.DECODE_RETRY
                 self.metrics.fallbacks.labels(kind).inc()
                 prepared.span.add_event(f"kvloop.{kind}", {"kvloop.engine": engine.engine_id, "error": last})
                 log.warning("router.decode_failed", engine=engine.engine_id, error=last, resume=ledger.started)
@@ -645,7 +650,7 @@ class TurnRunner:
                 last = f"{engine.engine_id} answered {exc.status}"
             except (aiohttp.ClientError, TimeoutError) as exc:
                 last = f"{engine.engine_id}: {exc or type(exc).__name__}"
-            self.metrics.fallbacks.labels("decode_retry").inc()
+            self.metrics.fallbacks.labels(Fallback.DECODE_RETRY).inc()
             log.warning("router.decode_failed", engine=engine.engine_id, error=last)
         raise TurnError(503, f"no decode engine could serve the request ({last})")
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from kvloop.shared.vocabulary import Path
+
 
 class Role(enum.Enum):
     PREFILL = "prefill"
@@ -20,11 +22,8 @@ class Role(enum.Enum):
         return self in (Role.DECODE, Role.BOTH)
 
 
-class Decision(enum.Enum):
-    RECOMPUTE = "RECOMPUTE"
-    TRANSFER = "TRANSFER"
-    PREFILL_LOCAL = "PREFILL_LOCAL"
-    DECODE_LOCAL = "DECODE_LOCAL"
+Decision = Path
+"""The plan's path: the shared vocabulary's (:class:`kvloop.shared.vocabulary.Path`)."""
 
 
 class EvictionReason(enum.Enum):

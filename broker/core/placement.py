@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from kvloop.broker.core.index import Match
 from kvloop.broker.core.model import CostEstimate, Decision, EngineRecord, Plan
 from kvloop.shared.errors import FailedPrecondition
+from kvloop.shared.vocabulary import Reason, Veto
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,26 +192,26 @@ def place(
             pull = estimate_cost(matched - own, bs, source, p, policy)
             seconds = hop(p, request.num_tokens - matched * bs) + pull.transfer_s
             options.append(_Option(seconds, Decision.TRANSFER, p, own, matched, pull))
-    veto = ""
+    veto: Veto | str = ""
     decode_own = local(decode) if decode.info.role.can_decode else 0
     if decode_own:
         tail = request.num_tokens - decode_own * bs
         d_load = decode.load
         if not (policy.decode_local and request.decode_local):
-            veto = "disabled"
+            veto = Veto.DISABLED
         elif tail > policy.decode_local_max_tokens:
-            veto = "tail_tokens"
+            veto = Veto.TAIL_TOKENS
         elif tail > policy.decode_local_max_share * request.num_tokens:
-            veto = "tail_share"
+            veto = Veto.TAIL_SHARE
         elif d_load.waiting_requests > 0 or d_load.running_requests >= policy.decode_local_max_running:
-            veto = "decode_busy"
+            veto = Veto.DECODE_BUSY
         else:
             options.append(_Option(tail / _tps(decode, policy, fleet)[0], Decision.DECODE_LOCAL, decode, decode_own,
                                    decode_own))
     rank = {Decision.DECODE_LOCAL: 0, Decision.PREFILL_LOCAL: 1, Decision.TRANSFER: 2, Decision.RECOMPUTE: 3}
     best = min(options, key=lambda o: (o.seconds, rank[o.decision], o.prefill.load.score, o.prefill.info.engine_id))
     if veto == "" and decode_own and best.decision is not Decision.DECODE_LOCAL:
-        veto = "costlier"
+        veto = Veto.COSTLIER
 
     def cheapest(decision: Decision) -> float:
         return min((o.seconds for o in options if o.decision is decision), default=0.0)
@@ -228,19 +229,19 @@ def place(
                         transfer_path_s=cheapest(Decision.TRANSFER),
                         recompute_path_s=cheapest(Decision.RECOMPUTE))
     reason = {
-        Decision.DECODE_LOCAL: "short_tail_on_decode",
-        Decision.PREFILL_LOCAL: "local_prefix",
-        Decision.TRANSFER: "transfer_cheaper",
+        Decision.DECODE_LOCAL: Reason.SHORT_TAIL_ON_DECODE,
+        Decision.PREFILL_LOCAL: Reason.LOCAL_PREFIX,
+        Decision.TRANSFER: Reason.TRANSFER_CHEAPER,
     }.get(best.decision)
     # The longest prefix any engine holds, usable or not: the reuse that was available to this turn.
     seen = min(max([matched, *((cached or {}).get(e.info.engine_id, 0) for e in fit)]), max_blocks)
     if reason is None:
         if len({o.decision for o in options}) > 1:
-            reason = "recompute_cheaper"  # a reuse path existed and cost more
+            reason = Reason.RECOMPUTE_CHEAPER  # a reuse path existed and cost more
         elif veto:
-            reason = "decode_local_vetoed"  # only the decode engine held the prefix (decode_local_veto says why)
+            reason = Reason.DECODE_LOCAL_VETOED  # only the decode engine held the prefix (decode_local_veto says why)
         else:
-            reason = "no_match" if not seen else "below_threshold"
+            reason = Reason.NO_MATCH if not seen else Reason.BELOW_THRESHOLD
     transfer = best.decision is Decision.TRANSFER
     return Plan(
         decision=best.decision,

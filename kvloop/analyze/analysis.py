@@ -11,6 +11,7 @@ from kvloop.analyze.costs import CostModel, Interconnect, ModelCheck
 from kvloop.analyze.retention import Fleet, Hits, Replay, Setting
 from kvloop.analyze.verdict import Verdict, starting_setting, verdict
 from kvloop.router.records import TurnRecord
+from kvloop.shared.vocabulary import Path
 
 DEFAULT_TTLS = (10.0, 30.0, 60.0, 120.0, 300.0, 480.0, 900.0, 1800.0)
 
@@ -94,7 +95,7 @@ def analyze(records: list[TurnRecord], options: Options) -> Analysis:
     with_return = _predicted(chosen, model, bs)
     generous = (roomiest, with_return["all"] if setting == roomiest
                 else _predicted(retention.replay(records, roomiest, fleet), model, bs)["all"])
-    without = costs.predicted_ttft_ms([("RECOMPUTE", r.prompt_tokens, 0) for r in records], model)
+    without = costs.predicted_ttft_ms([(Path.RECOMPUTE, r.prompt_tokens, 0) for r in records], model)
     w, wo = with_return.get("all", {}), without.get("all", {})
     final = verdict(reuse, grid, w.get("p50", 0.0), wo.get("p50", 0.0), w.get("p95", 0.0), wo.get("p95", 0.0),
                     link.utilisation)

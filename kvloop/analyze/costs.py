@@ -20,9 +20,10 @@ from dataclasses import dataclass, field, replace
 
 from kvloop.analyze.stats import spread
 from kvloop.router.records import TurnRecord
+from kvloop.shared.vocabulary import Path
 
 MIN_FIT = 3
-PD_PATHS = ("RECOMPUTE", "PREFILL_LOCAL", "TRANSFER")
+PD_PATHS = (Path.RECOMPUTE, Path.PREFILL_LOCAL, Path.TRANSFER)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +39,7 @@ class CostModel:
     """Per figure, where it came from: ``fitted (n turns)``, ``measured``, ``given`` or ``default``."""
 
     def ttft_s(self, path: str, computed_tokens: int, pulled_bytes: int) -> float:
-        if path == "DECODE_LOCAL":
+        if path == Path.DECODE_LOCAL:
             return self.decode_local_s + computed_tokens / self.decode_tokens_per_s
         pull = self.pull_overhead_s + pulled_bytes / self.bandwidth_bytes_per_s if pulled_bytes else 0.0
         return self.hop_s + computed_tokens / self.prefill_tokens_per_s + pull
@@ -66,8 +67,8 @@ def fit(records: Sequence[TurnRecord], given: dict[str, float]) -> CostModel:
         model = replace(model, hop_s=max(0.0, pd[0]), prefill_tokens_per_s=1 / pd[1])
         sources |= {"hop_s": f"fitted ({n_pd} turns)", "prefill_tokens_per_s": f"fitted ({n_pd} turns)"}
     local = _line([(r.computed_tokens, r.ttft_ms / 1e3) for r in timed  # type: ignore[operator]
-                   if r.path == "DECODE_LOCAL"])
-    n_local = sum(1 for r in timed if r.path == "DECODE_LOCAL")
+                   if r.path == Path.DECODE_LOCAL])
+    n_local = sum(1 for r in timed if r.path == Path.DECODE_LOCAL)
     if local:
         model = replace(model, decode_local_s=max(0.0, local[0]), decode_tokens_per_s=1 / local[1])
         sources |= {k: f"fitted ({n_local} turns)" for k in ("decode_local_s", "decode_tokens_per_s")}

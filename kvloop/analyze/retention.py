@@ -32,6 +32,7 @@ from kvloop.router.records import TurnRecord
 from kvloop.shared.errors import ConfigError, ResourceExhausted
 from kvloop.shared.hashing import KEY_BYTES
 from kvloop.shared.protocol import retainable_blocks
+from kvloop.shared.vocabulary import Path
 
 FINGERPRINT = "analyze"
 UNLIMITED_BUDGET = Limits().max_retention_budget_blocks
@@ -149,7 +150,8 @@ def replay(records: Sequence[TurnRecord], setting: Setting, fleet: Fleet) -> Rep
     for i, rec in enumerate(records):
         placed = plans.get(i)
         result.outcomes.append(Outcome(placed.decision.value, placed.matched_blocks, placed.recompute_tokens,
-                                       placed.pull_tokens) if placed else Outcome("RECOMPUTE", 0, rec.prompt_tokens, 0))
+                                       placed.pull_tokens) if placed
+                               else Outcome(Path.RECOMPUTE, 0, rec.prompt_tokens, 0))
     return result
 
 

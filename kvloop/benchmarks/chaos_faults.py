@@ -11,6 +11,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvloop.shared.vocabulary import NO_PLAN
+
 KINDS = ("decode_kill", "prefill_kill_mid_pull", "sidecar_kill", "broker_leader_kill", "decode_stop", "etcd_stop",
          "pull_source_kill")
 """- ``decode_kill``: SIGKILL a decode engine while it streams an answer; restart it.
@@ -26,7 +28,7 @@ KINDS = ("decode_kill", "prefill_kill_mid_pull", "sidecar_kill", "broker_leader_
 BROKER_FAULTS = frozenset({"broker_leader_kill", "etcd_stop"})
 """Faults whose part is the control plane: recovered at the first turn the broker plans again."""
 
-FALLBACK_REASONS = frozenset({"no_broker", "no_layout", "broker_unavailable", "place_refused"})
+FALLBACK_REASONS = NO_PLAN
 
 
 @dataclass(frozen=True)

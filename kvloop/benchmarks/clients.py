@@ -16,6 +16,7 @@ import aiohttp
 
 from kvloop.shared.http import sse_data, sse_measured
 from kvloop.shared.protocol import PrefillReport, prefill_only_params
+from kvloop.shared.vocabulary import Path
 
 UPSTREAM_KEYS = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host", "remote_port",
                  "remote_num_tokens", "tp_size", "remote_blocks_expiry_time")
@@ -108,7 +109,7 @@ class OneWayClient(Client):
         ids, ttft, itl, _ = await stream(self.http, f"{self.decode}/v1/completions",
                                          {**self.body(prompt, max_tokens), "kv_transfer_params": params}, t0,
                                          self.timeout_s)
-        return Served(ids, ttft, time.perf_counter() - t0, "RECOMPUTE", itl, report=report)
+        return Served(ids, ttft, time.perf_counter() - t0, Path.RECOMPUTE, itl, report=report)
 
 
 class UpstreamClient(OneWayClient):
@@ -125,10 +126,10 @@ class UpstreamClient(OneWayClient):
         t0 = time.perf_counter()
         params = prefill_only_params()
         kept = self.retained.pop(conv, None)
-        decision = "RECOMPUTE"
+        decision = Path.RECOMPUTE
         if kept and kept.get("remote_block_ids"):
             params.update({k: kept[k] for k in UPSTREAM_KEYS if k in kept})
-            decision = "TRANSFER"
+            decision = Path.TRANSFER
         p_params, report = await self.prefill(prompt, params)
         prefill_ttft = time.perf_counter() - t0
         reply = await post_json(self.http, f"{self.decode}/v1/completions",

@@ -28,6 +28,7 @@ from kvloop.shared.client import complete_request, transfer_params
 from kvloop.shared.hashing import ExtraKeys, block_keys
 from kvloop.shared.http import iter_sse
 from kvloop.shared.protocol import SESSION_KEY, PrefillReport, prefill_only_params
+from kvloop.shared.vocabulary import Path, Reason
 from kvloop.v1 import broker_pb2 as pb
 from kvloop.v1 import broker_pb2_grpc
 
@@ -106,9 +107,9 @@ class PDDriver:
                 except grpc.RpcError:
                     pin = None  # the lease went away since the plan: recompute
             if pin is None:
-                decision = "RECOMPUTE"
+                decision = Path.RECOMPUTE
                 reason = "return_path_off" if not transfer else (
-                    "source_is_prefill" if plan.source_engine_id == prefill_id else "pin_refused")
+                    Reason.SOURCE_IS_PREFILL if plan.source_engine_id == prefill_id else Reason.PIN_REFUSED)
             else:
                 params = {**transfer_params(plan, pin), **(prefill_params or {})}
         body = {"model": self.model, "prompt": prompt_ids, "max_tokens": 1, "temperature": 0,

@@ -126,10 +126,11 @@ def test_demo_through_the_router_container(cluster: dict[str, Any]) -> None:
     assert max(b - a for a, b in zip(prx0, prx1, strict=True)) >= pulled, (prx0, prx1, pulled)
     cluster["rows"] = rows
     cluster["pulled_bytes"] = pulled
-    # A second session (other content, so nothing of the first is reused at its start) takes the same paths.
+    # A second session (other tool results; the same system prompt, so its first turn reuses that) takes the
+    # return path as well.
     again = demo_rows(run("demo", "--seed", "1", timeout=900))
     print(again)
-    assert [r["path"] for r in again][0] == "RECOMPUTE" and again[0]["ttft_ms"] < 2000, again
+    assert len(again) == 6 and again[0]["ttft_ms"] < 2000, again
     assert {"TRANSFER", "DECODE_LOCAL"} <= {r["path"] for r in again}, again
 
 

@@ -2,7 +2,7 @@
 
 - bottom (``kvloop.shared``, ``kvloop.v1``, ``kvloop`` itself) imports no service and nothing above;
 - services (``kvloop.broker``, ``kvloop.engines``, ``kvloop.router``) import only the bottom floor and themselves;
-- the broker's core imports only the standard library, itself and ``kvloop.shared.errors``/``.hashing``;
+- the broker's core imports only the standard library, itself and ``kvloop.shared.errors``/``.hashing``/``.vocabulary``;
 - only the top floor (CLI, local cluster, demo, engine set, benchmarks) imports the engines' launcher;
 - nothing imports the services by their folder names (``broker``, ``engines``, ``router``): one namespace.
 
@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("broker", "engines", "router")
 TOP = ("kvloop.cli", "kvloop.cluster", "kvloop.demo", "kvloop.engine_set", "kvloop.benchmarks", "kvloop.analyze")
-CORE_MAY_IMPORT = ("kvloop.broker.core", "kvloop.shared.errors", "kvloop.shared.hashing")
+CORE_MAY_IMPORT = ("kvloop.broker.core", "kvloop.shared.errors", "kvloop.shared.hashing", "kvloop.shared.vocabulary")
 LAUNCHER = "kvloop.engines.launcher"
 
 
