@@ -4,15 +4,13 @@
 from __future__ import annotations
 
 import dataclasses
-import os
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvloop.broker.core import POLICIES, Limits, PlacementPolicy
 from kvloop.shared.auth import read_secrets
-from kvloop.shared.config import ServiceConfig, parse_host_port, setting
+from kvloop.shared.config import ServiceConfig, parse_host_port, process_name, setting
 from kvloop.shared.telemetry import LOG_FORMATS, LOG_LEVELS
 from kvloop.shared.tls import check_files
 
@@ -183,7 +181,7 @@ class BrokerConfig(ServiceConfig):
 
     @property
     def replica(self) -> str:
-        return self.replica_id or f"{socket.gethostname()}-{os.getpid()}"
+        return self.replica_id or process_name()
 
     def limits(self) -> Limits:
         """The core's limits, from the fields of the same names."""

@@ -8,8 +8,6 @@ stream) has ended or failed, so the count is exact for this router at the moment
 
 from __future__ import annotations
 
-import os
-import socket
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,8 +33,3 @@ class InFlightCounts:
 
     def __getitem__(self, engine_id: str) -> int:
         return self._counts.get(engine_id, 0)
-
-
-def router_id() -> str:
-    """This router's name where the broker authenticates nobody (development): host and process."""
-    return f"{socket.gethostname()}-{os.getpid()}"

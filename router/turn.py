@@ -37,7 +37,7 @@ from opentelemetry import propagate, trace
 
 from kvloop.router.config import RouterConfig
 from kvloop.router.directory import Directory, EngineInfo
-from kvloop.router.in_flight import InFlightCounts, router_id
+from kvloop.router.in_flight import InFlightCounts
 from kvloop.router.metrics import RouterMetrics
 from kvloop.router.recent import RecentTurns
 from kvloop.router.records import RecordWriter, turn_record
@@ -46,6 +46,7 @@ from kvloop.router.tokenizer import RouterTokenizer
 from kvloop.router.truth import actual_path, plan_outcome, report_from_usage
 from kvloop.shared.auth import token_of
 from kvloop.shared.client import BrokerClient, PlacementStream, complete_request, transfer_params
+from kvloop.shared.config import process_name
 from kvloop.shared.hashing import ExtraKeys, block_keys
 from kvloop.shared.protocol import SESSION_KEY, PrefillReport, decode_local_params, prefill_only_params
 from kvloop.shared.tls import TlsFiles
@@ -172,7 +173,8 @@ class TurnRunner:
         self.in_flight = InFlightCounts()
         """Prefill and decode requests this router has sent and not yet seen end, per engine (sent with each
         placement: the broker prices load on them)."""
-        self.router_id = router_id()
+        self.router_id = process_name()
+        """Names this router's in-flight counts where the broker authenticates nobody (development)."""
         self._background: set[asyncio.Task[Any]] = set()
         self.recent = RecentTurns(config.publication_wait_s)
         self.tokenizer = RouterTokenizer(config.tokenizer) if config.tokenizer else None

@@ -28,8 +28,6 @@ KINDS = ("decode_kill", "prefill_kill_mid_pull", "sidecar_kill", "broker_leader_
 BROKER_FAULTS = frozenset({"broker_leader_kill", "etcd_stop"})
 """Faults whose part is the control plane: recovered at the first turn the broker plans again."""
 
-FALLBACK_REASONS = NO_PLAN
-
 
 @dataclass(frozen=True)
 class Fault:
@@ -115,7 +113,7 @@ def recovered_at(fault: FaultRecord, requests: Sequence[RequestRecord]) -> float
     good = sorted((r for r in requests if r.ok and r.start >= fault.repaired), key=lambda r: r.end)
     for r in good:
         if fault.kind in BROKER_FAULTS:
-            if r.reason and r.reason not in FALLBACK_REASONS:
+            if r.reason and r.reason not in NO_PLAN:
                 return r.end
         elif r.uses(fault.target):
             return r.end

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import socket
 import types
 import typing
 from collections.abc import Iterable, Mapping, Sequence
@@ -193,6 +194,12 @@ class ServiceConfig:
     def _require(self, ok: bool, field: str, why: str) -> None:
         if not ok:
             raise ConfigError(f"{field}: {why} (got {getattr(self, field)!r})", field=field)
+
+
+def process_name() -> str:
+    """This process's name among its peers when none is configured: host and pid (a broker replica's id in
+    leader election, a router's name for its in-flight counts where nobody is authenticated)."""
+    return f"{socket.gethostname()}-{os.getpid()}"
 
 
 def parse_host_port(value: str, field: str) -> tuple[str, int]:
