@@ -22,9 +22,10 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from kvloop.broker import convert
 from kvloop.broker.access import CALLER, Access
-from kvloop.broker.core import BrokerState, Decision, EvictionCommand, PlaceInput, Plan
+from kvloop.broker.core import BrokerState, Decision, EvictionCommand, PlaceInput
 from kvloop.broker.runtime import BrokerRuntime
 from kvloop.shared.auth import Unauthenticated
+from kvloop.shared.client import plan_attributes
 from kvloop.shared.errors import KvloopError, PermissionDenied
 from kvloop.shared.vocabulary import Reason
 from kvloop.v1 import broker_pb2 as pb
@@ -81,36 +82,6 @@ def rpc(method: str) -> Callable[[Handler[Req, Resp]], Handler[Req, Resp]]:
         return handler
 
     return wrap
-
-
-def _plan_attributes(plan: Plan) -> dict[str, Any]:
-    return {
-        "kvloop.session_id": plan.session_id,
-        "kvloop.decision": plan.decision.value,
-        "kvloop.reason": plan.reason,
-        "kvloop.matched_blocks": plan.matched_blocks,
-        "kvloop.matched_tokens": plan.matched_tokens,
-        "kvloop.recompute_tokens": plan.recompute_tokens,
-        "kvloop.prompt_blocks": plan.prompt_blocks,
-        "kvloop.threshold_tokens": plan.threshold_tokens,
-        "kvloop.source_engine": plan.source.engine_id if plan.source else "",
-        "kvloop.source_lease": plan.source_lease_id,
-        "kvloop.prefill_engine": plan.prefill.engine_id,
-        "kvloop.decode_engine": plan.decode.engine_id,
-        "kvloop.decode_sticky": plan.decode_sticky,
-        "kvloop.candidates": plan.candidates,
-        "kvloop.cost.transfer_s": plan.cost.transfer_s,
-        "kvloop.cost.recompute_s": plan.cost.recompute_s,
-        "kvloop.cost.measured": plan.cost.measured,
-        "kvloop.cost.decode_local_s": plan.cost.decode_local_s,
-        "kvloop.cost.prefill_local_s": plan.cost.prefill_local_s,
-        "kvloop.cost.transfer_path_s": plan.cost.transfer_path_s,
-        "kvloop.cost.recompute_path_s": plan.cost.recompute_path_s,
-        "kvloop.local_tokens": plan.local_tokens,
-        "kvloop.pull_tokens": plan.pull_tokens,
-        "kvloop.decode_local_veto": plan.decode_local_veto,
-        "kvloop.cached_tokens_seen": plan.cached_tokens_seen,
-    }
 
 
 class BrokerService(broker_pb2_grpc.KVBrokerServicer):
@@ -228,8 +199,9 @@ class BrokerService(broker_pb2_grpc.KVBrokerServicer):
         metrics = self.runtime.metrics
         metrics.placement_latency.observe(time.perf_counter() - start)
         metrics.placements.labels(decision=plan.decision.value, reason=plan.reason).inc()
-        trace.get_current_span().set_attributes(_plan_attributes(plan))
         reply = convert.plan_to_pb(plan)
+        # The router's turn span carries the same attributes (one builder); kvloop.decision names the plan here.
+        trace.get_current_span().set_attributes({**plan_attributes(reply), "kvloop.decision": plan.decision.value})
         if pin is not None:
             reply.pin.CopyFrom(pin)
         return reply

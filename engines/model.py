@@ -414,6 +414,29 @@ def ensure_tiny_model(out_dir: Path | None = None, *, announce: bool = True, **b
     return out
 
 
+def cached_model(root: Path | None = None, **build: Any) -> Path:
+    """A model built with ``build``'s settings, kept between runs under ``root`` (default ``.kvloop/models``).
+
+    The folder is named by a digest of the settings and of this file's source, so changing either builds a new
+    model and an old one is never served in its place (the corpus comes from the installed Python, the same for a
+    given virtual environment). The build goes to a temporary folder renamed into place when complete, so an
+    interrupted build is never taken for a model."""
+    from kvloop.engines.config import default_work_dir
+
+    digest = hashlib.sha256(Path(__file__).read_bytes() + json.dumps(build, sort_keys=True, default=str).encode())
+    out = (root or default_work_dir() / "models") / f"cached-{digest.hexdigest()[:16]}"
+    if not (out / "kvloop_model.json").is_file():
+        partial = out.with_name(f"{out.name}.partial-{time.time_ns()}")
+        build_tiny_model(partial, **build)
+        try:
+            partial.rename(out)
+        except OSError:  # another process finished the same build first: theirs is as good
+            import shutil
+
+            shutil.rmtree(partial, ignore_errors=True)
+    return out
+
+
 def _train(model: Any, tokenizer: Any, docs: Sequence[str], *, eot_id: int, seed: int, steps: int,
            max_seconds: float, seq_len: int, batch_size: int, lr: float, say: Any) -> dict[str, Any]:
     """Next-token training on random windows of the tokenized corpus (every 16th document held out for

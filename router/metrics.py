@@ -1,8 +1,10 @@
-"""Prometheus metrics of the router, recorded by the shell (router/turn.py, router/server.py)."""
+"""Prometheus metrics of the router, recorded by the shell (router/turn.py, router/placement.py, router/server.py)."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from kvloop.shared.protocol import PrefillReport
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -32,3 +34,17 @@ class RouterMetrics:
                                          registry=r)
         self.requests = Counter("kvloop_router_requests_total", "HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)
+
+    def turn_finished(self, path: str, planned: str, reason: str, outcome: str, report: PrefillReport,
+                      ttft_s: float) -> None:
+        """A finished turn's figures: its actual ``path``, the ``planned`` one, the plan's ``reason``, the
+        plan-against-actual ``outcome`` and the engines' ``report``."""
+        self.ttft.labels(path).observe(ttft_s)
+        self.decisions.labels(path, reason).inc()
+        self.plan_outcomes.labels(planned, path, outcome).inc()
+        self.tokens.labels("local").inc(report.local_tokens)
+        self.tokens.labels("pulled").inc(report.pulled_tokens)
+        self.tokens.labels("computed").inc(report.computed_tokens)
+        if report.pulled_bytes:
+            self.pull_bytes.inc(report.pulled_bytes)
+            self.pull_seconds.observe(report.pull_ms / 1e3)

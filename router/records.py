@@ -102,18 +102,18 @@ class RecordWriter:
         self._file.close()
 
 
-def turn_record(prepared: Any, *, now: float, elapsed_s: float, output_tokens: int, ttft_s: float,
+def turn_record(turn: Any, *, now: float, elapsed_s: float, output_tokens: int, ttft_s: float,
                 error: str) -> TurnRecord:
-    """The record of a finished turn (``router.turn.Prepared``; typed ``Any`` so this module needs nothing of
-    turn.py). ``now``: wall-clock seconds at the end; ``elapsed_s``: the turn's duration."""
-    report = prepared.done
+    """The record of a finished turn (``router.outcome.Turn``; typed ``Any`` so this module needs nothing of the
+    turn's modules). ``now``: wall-clock seconds at the end; ``elapsed_s``: the turn's duration."""
+    plan, report = turn.plan, turn.done
     return TurnRecord(
-        t=round(now - elapsed_s, 6), t_end=round(now, 6), session=prepared.session,
-        prompt_tokens=prepared.prompt_tokens, block_size=prepared.block_size,
-        keys=key_digests(prepared.prompt_keys), output_tokens=output_tokens, planned=prepared.decision,
-        path=prepared.path, reason=prepared.reason, local_tokens=report.local_tokens,
+        t=round(now - elapsed_s, 6), t_end=round(now, 6), session=plan.session,
+        prompt_tokens=plan.prompt_tokens, block_size=plan.block_size,
+        keys=key_digests(list(plan.keys)), output_tokens=output_tokens, planned=plan.path,
+        path=turn.path, reason=plan.reason, local_tokens=report.local_tokens,
         pulled_tokens=report.pulled_tokens, pulled_blocks=report.pulled_blocks,
         computed_tokens=report.computed_tokens, pulled_bytes=report.pulled_bytes, pull_ms=report.pull_ms,
-        ttft_ms=round(ttft_s * 1e3, 3), prefill_engine=prepared.prefill_engine,
-        decode_engine=prepared.decode.engine_id, model=str(prepared.body.get("model", "")), error=error,
-        timings_ms=dict(prepared.timings_ms))
+        ttft_ms=round(ttft_s * 1e3, 3), prefill_engine=turn.outcome.prefill_engine,
+        decode_engine=turn.decode.engine_id, model=plan.model, error=error,
+        timings_ms=dict(turn.outcome.timings_ms))

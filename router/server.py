@@ -29,7 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvloop.router.config import RouterConfig
 from kvloop.router.metrics import RouterMetrics
 from kvloop.router.truth import report_from_usage
-from kvloop.router.turn import TurnError, TurnRunner
+from kvloop.router.turn import Turn, TurnError, TurnRunner
 from kvloop.shared.config import parse_host_port
 from kvloop.shared.http import MEASURED_PREFIX, engine_client_connector
 from kvloop.shared.serving import wait_for_stop, write_port_file
@@ -42,44 +42,44 @@ def error_response(error: TurnError) -> web.Response:
     return web.json_response(error.body(), status=error.status)
 
 
-def decision_headers(prepared: Any) -> dict[str, str]:
+def decision_headers(turn: Turn) -> dict[str, str]:
     """What the turn did, for clients and demos (the trace has the same and more): the path actually taken (from
     the engines' measurements; :mod:`kvloop.router.truth`), the plan beside it, and the tokens found in the
     serving engine's own cache, pulled and computed. A DECODE_LOCAL stream's engine account arrives with its last
     chunk: its headers carry the plan's figures with ``x-kvloop-measured: false``, and :func:`measured_comment`
     gives the measured ones before ``[DONE]``."""
-    return {"x-kvloop-decision": prepared.path, "x-kvloop-planned": prepared.decision,
-            "x-kvloop-reason": prepared.reason, "x-kvloop-plan-outcome": prepared.outcome,
-            "x-kvloop-measured": str(prepared.measured).lower(),
-            "x-kvloop-prefill-engine": prepared.prefill_engine, "x-kvloop-decode-engine": prepared.decode.engine_id,
-            **figures(prepared), "x-kvloop-timing": ",".join(f"{k}={v}" for k, v in timing_ms(prepared).items())}
+    return {"x-kvloop-decision": turn.path, "x-kvloop-planned": turn.plan.path,
+            "x-kvloop-reason": turn.plan.reason, "x-kvloop-plan-outcome": turn.plan_vs_actual,
+            "x-kvloop-measured": str(turn.measured).lower(),
+            "x-kvloop-prefill-engine": turn.outcome.prefill_engine, "x-kvloop-decode-engine": turn.decode.engine_id,
+            **figures(turn), "x-kvloop-timing": ",".join(f"{k}={v}" for k, v in timing_ms(turn).items())}
 
 
-def figures(prepared: Any) -> dict[str, str]:
-    report = prepared.done
-    return {"x-kvloop-prompt-tokens": str(prepared.prompt_tokens),
-            "x-kvloop-available-tokens": str(prepared.available_tokens),
-            "x-kvloop-matched-tokens": str(prepared.matched_tokens),
+def figures(turn: Turn) -> dict[str, str]:
+    report = turn.done
+    return {"x-kvloop-prompt-tokens": str(turn.plan.prompt_tokens),
+            "x-kvloop-available-tokens": str(turn.plan.available_tokens),
+            "x-kvloop-matched-tokens": str(turn.plan.matched_tokens),
             "x-kvloop-pulled-tokens": str(report.pulled_tokens),
             "x-kvloop-local-tokens": str(report.local_tokens),
             "x-kvloop-computed-tokens": str(report.computed_tokens),
-            "x-kvloop-pull-ms": str(report.pull_ms if prepared.report else 0)}
+            "x-kvloop-pull-ms": str(report.pull_ms if turn.measured else 0)}
 
 
-def measured_comment(prepared: Any) -> bytes:
+def measured_comment(turn: Turn) -> bytes:
     """An SSE comment (clients ignore it) with a stream's measured figures, sent before ``[DONE]``."""
-    body = {"decision": prepared.path, "planned": prepared.decision, "plan-outcome": prepared.outcome,
-            "measured": prepared.measured,
-            **{k.removeprefix("x-kvloop-"): int(float(v)) for k, v in figures(prepared).items()}}
+    body = {"decision": turn.path, "planned": turn.plan.path, "plan-outcome": turn.plan_vs_actual,
+            "measured": turn.measured,
+            **{k.removeprefix("x-kvloop-"): int(float(v)) for k, v in figures(turn).items()}}
     return f"{MEASURED_PREFIX}{json.dumps(body, separators=(',', ':'))}\n\n".encode()
 
 
-def timing_ms(prepared: Any) -> dict[str, float]:
-    """The router's steps (``Prepared.timings_ms``) and the prefill engine's own account of its part."""
-    out = dict(prepared.timings_ms)
-    if prepared.report is not None:
-        out.update(prefill_queue=prepared.report.queue_ms, pull=prepared.report.pull_ms,
-                   prefill_compute=prepared.report.compute_ms)
+def timing_ms(turn: Turn) -> dict[str, float]:
+    """The router's steps (``TurnOutcome.timings_ms``) and the prefill engine's own account of its part."""
+    out = dict(turn.outcome.timings_ms)
+    report = turn.outcome.report
+    if report is not None:
+        out.update(prefill_queue=report.queue_ms, pull=report.pull_ms, prefill_compute=report.compute_ms)
     return out
 
 
@@ -174,49 +174,50 @@ class RouterApp:
         endpoint = "chat" if kind == "chat" else "completions"
         try:
             body = validate(kind, await self.read_body(request), self.served_model())
-            prepared = await self.runner.prepare(kind, body, session_hint(request, body))
+            turn = await self.runner.prepare(kind, body, session_hint(request, body))
         except TurnError as exc:
             self.metrics.requests.labels(endpoint, str(exc.status)).inc()
             return error_response(exc)
         if not body.get("stream"):
             try:
-                reply = await self.runner.decode_json(prepared)
+                reply = await self.runner.decode_json(turn)
             except TurnError as exc:
-                self.runner.finish(prepared, output_tokens=0, ttft_s=time.perf_counter() - prepared.started,
+                self.runner.finish(turn, output_tokens=0, ttft_s=time.perf_counter() - turn.started,
                                    error=exc.message)
                 self.metrics.requests.labels(endpoint, str(exc.status)).inc()
                 return error_response(exc)
             usage = reply.get("usage") or {}
-            if prepared.decode_local:
-                prepared.report = report_from_usage(usage, prepared.prompt_tokens)
-            self.runner.finish(prepared, output_tokens=int(usage.get("completion_tokens", 0)),
-                               ttft_s=time.perf_counter() - prepared.started)
+            if turn.plan.decode_local:
+                turn.outcome.report = report_from_usage(usage, turn.plan.prompt_tokens)
+            self.runner.finish(turn, output_tokens=int(usage.get("completion_tokens", 0)),
+                               ttft_s=time.perf_counter() - turn.started)
             self.metrics.requests.labels(endpoint, "200").inc()
-            return web.json_response(reply, headers=decision_headers(prepared))
-        return await self.stream(request, prepared, endpoint)
+            return web.json_response(reply, headers=decision_headers(turn))
+        return await self.stream(request, turn, endpoint)
 
-    async def stream(self, request: web.Request, prepared: Any, endpoint: str) -> web.StreamResponse:
+    async def stream(self, request: web.Request, turn: Turn, endpoint: str) -> web.StreamResponse:
         response: web.StreamResponse | None = None
         ttft = 0.0
         chunks = 0
         try:
-            async for line in self.runner.decode_stream(prepared):
+            async for line in self.runner.decode_stream(turn):
                 if response is None:
-                    prepared.timings_ms["decode_first"] = round((time.time_ns() - prepared.decode_started_ns) / 1e6, 3)
+                    first_ms = (time.time_ns() - turn.outcome.decode_started_ns) / 1e6
+                    turn.outcome.timings_ms["decode_first"] = round(first_ms, 3)
                     response = web.StreamResponse(headers={"content-type": "text/event-stream",
-                                                           "cache-control": "no-cache", **decision_headers(prepared)})
+                                                           "cache-control": "no-cache", **decision_headers(turn)})
                     await response.prepare(request)
-                if self.runner.observe(prepared, line):
+                if turn.observe(line):
                     continue  # the usage chunk the router asked for, not the client
                 if not ttft and line.startswith(b"data: {"):
-                    ttft = time.perf_counter() - prepared.started
+                    ttft = time.perf_counter() - turn.started
                 if line.startswith(b"data: {"):
                     chunks += 1
-                if line.startswith(b"data: [DONE]") and prepared.decode_local:
-                    await response.write(measured_comment(prepared))
+                if line.startswith(b"data: [DONE]") and turn.plan.decode_local:
+                    await response.write(measured_comment(turn))
                 await response.write(line)
         except TurnError as exc:
-            self.runner.finish(prepared, output_tokens=0, ttft_s=time.perf_counter() - prepared.started,
+            self.runner.finish(turn, output_tokens=0, ttft_s=time.perf_counter() - turn.started,
                                error=exc.message)
             self.metrics.requests.labels(endpoint, str(exc.status)).inc()
             if response is None:
@@ -224,9 +225,9 @@ class RouterApp:
             await response.write(f"data: {json.dumps(exc.body())}\n\n".encode())
             return response
         except (ConnectionResetError, aiohttp.ClientError) as exc:
-            self.runner.finish(prepared, output_tokens=chunks, ttft_s=ttft, error=f"stream broke: {exc}")
+            self.runner.finish(turn, output_tokens=chunks, ttft_s=ttft, error=f"stream broke: {exc}")
             raise
-        self.runner.finish(prepared, output_tokens=chunks, ttft_s=ttft or time.perf_counter() - prepared.started)
+        self.runner.finish(turn, output_tokens=chunks, ttft_s=ttft or time.perf_counter() - turn.started)
         self.metrics.requests.labels(endpoint, "200").inc()
         assert response is not None
         await response.write_eof()

@@ -20,7 +20,7 @@ from typing import Any
 from kvloop.shared.errors import ConfigError
 
 RENDERED_CHAT_FIELDS = frozenset({"add_generation_prompt"})
-"""Chat-template fields the router renders itself; any other (router/turn.py's CHAT_TEMPLATE_FIELDS) goes to
+"""Chat-template fields the router renders itself; any other (router/engine_calls.py's CHAT_TEMPLATE_FIELDS) goes to
 an engine."""
 
 

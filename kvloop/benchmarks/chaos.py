@@ -26,6 +26,7 @@ import math
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,7 @@ from kvloop.benchmarks.chaos_faults import (
 )
 from kvloop.benchmarks.stats import percentile
 from kvloop.benchmarks.workload import AgentSpec, Conversation, agent
+from kvloop.engine_set import EngineSet, start_engines
 from kvloop.engines.config import EngineConfig, default_work_dir
 from kvloop.engines.model import ensure_tiny_model
 from kvloop.shared.http import sse_data, sse_measured
@@ -328,14 +330,16 @@ async def check_books(cluster: ChaosCluster, lease_ttl_s: float) -> dict[str, An
                                               "baseline": empty["leases"] == 0 and not any(held.values())}}
 
 
-async def check_answers(model: Path, work: Path, requests: list[RequestRecord]) -> dict[str, Any]:
-    """Every good answer against a reference engine's (float32, prefix cache off, temperature 0)."""
-    from kvloop.engine_set import start_engines
-
+def start_reference(model: Path, work: Path) -> EngineSet:
+    """The reference engine: float32, prefix cache off, no connector (blocking; minutes on a loaded machine)."""
     config = EngineConfig(role="both", model=model, engine_id="reference", work_dir=work / "reference",
                           connector="none", dtype="float32", max_model_len=16384, log_level="warning",
                           extra_vllm_args="--no-enable-prefix-caching")
-    engines = await asyncio.to_thread(start_engines, [config])
+    return start_engines([config])
+
+
+async def check_answers(engines: EngineSet, model_name: str, requests: list[RequestRecord]) -> dict[str, Any]:
+    """Every good answer against the reference engine's (temperature 0); stops the reference engine."""
     (engine,) = list(engines)
     wrong: list[dict[str, Any]] = []
     near_ties = 0
@@ -345,7 +349,7 @@ async def check_answers(model: Path, work: Path, requests: list[RequestRecord]) 
 
     async def check(http: aiohttp.ClientSession, r: RequestRecord) -> None:
         nonlocal near_ties
-        body = {"model": model.name, "prompt": r.prompt, "max_tokens": r.max_tokens, "temperature": 0,
+        body = {"model": model_name, "prompt": r.prompt, "max_tokens": r.max_tokens, "temperature": 0,
                 "ignore_eos": True, "logprobs": 2, "return_token_ids": True}
         async with gate, http.post(f"{engine.url}/v1/completions", json=body) as reply:
             choice = (await reply.json())["choices"][0]
@@ -411,8 +415,10 @@ def figures(run: Run) -> dict[str, Any]:
 
 
 async def run_phase(name: str, model: Path, work: Path, args: argparse.Namespace, settings: ChaosSettings,
-                    conversations: list[Conversation], extra: list[Conversation], faults: list[Fault]
-                    ) -> tuple[dict[str, Any], list[RequestRecord]]:
+                    conversations: list[Conversation], extra: list[Conversation], faults: list[Fault],
+                    on_quiet: Callable[[], None] = lambda: None) -> tuple[dict[str, Any], list[RequestRecord]]:
+    """One phase on its own cluster; ``on_quiet`` is called when the traffic and the faults are over, before the
+    books are checked (which waits out the leases' TTL), so the caller can use that wait."""
     print(f"== {name}: starting the cluster (etcd, 2 brokers, {settings.prefill} prefill and {settings.decode} "
           f"decode engines, router)", flush=True)
     cluster = await ChaosCluster.start(model, work / name, settings)
@@ -428,6 +434,7 @@ async def run_phase(name: str, model: Path, work: Path, args: argparse.Namespace
         await run.traffic(conversations, extra)
         await fault_task
         sampler.cancel()
+        on_quiet()
         out = figures(run)
         out["soak"] = soak_figures(run.samples)
         print(f"== {name}: {out['requests']} requests, {out['ok']} answered, errors {out['errors'] or 'none'}; "
@@ -525,10 +532,22 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     if args.baseline:
         result["baseline"], reqs = await run_phase("baseline", model, work, args, settings, agent(spec), extra, [])
         requests += reqs
-    result["chaos"], reqs = await run_phase("chaos", model, work, args, settings, agent(spec), extra, faults)
-    requests += reqs
+    # The reference engine starts while the last phase waits out its leases' TTL, when the cluster is idle.
+    reference: list[asyncio.Future[EngineSet]] = []
+    try:
+        result["chaos"], reqs = await run_phase(
+            "chaos", model, work, args, settings, agent(spec), extra, faults,
+            on_quiet=lambda: reference.append(asyncio.ensure_future(asyncio.to_thread(start_reference, model, work))))
+        requests += reqs
+        engines = await (reference[0] if reference else asyncio.to_thread(start_reference, model, work))
+    except BaseException:
+        if reference:
+            started = await asyncio.gather(reference[0], return_exceptions=True)
+            if isinstance(started[0], EngineSet):
+                await asyncio.to_thread(started[0].stop)
+        raise
     print(f"== checking {sum(r.ok for r in requests)} answers against a reference engine", flush=True)
-    result["answers"] = await check_answers(model, work, requests)
+    result["answers"] = await check_answers(engines, model.name, requests)
     result["problems"] = {name: verdict(result[name], result["answers"]) for name in ("baseline", "chaos")
                           if name in result}
     return result

@@ -64,12 +64,15 @@ def _mac(secret: bytes, signed: str) -> str:
 
 
 def mint(secret: bytes, role: str, subject: str, now: float, ttl_s: float = 0.0) -> str:
-    """A token for ``role`` and ``subject`` (an engine id for engines), valid from ``now`` for ``ttl_s`` (0: ever)."""
+    """A token for ``role`` and ``subject`` (an engine id for engines), valid from ``now`` for ``ttl_s`` (0: ever).
+
+    Expiry is in whole seconds, rounded up, and always after ``now``: a positive ``ttl_s`` below float resolution
+    at ``now`` must not mint a token that is expired already (``tests/unit/test_access.py``)."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {list(ROLES)}, not {role!r}")
     if not subject:
         raise ValueError("subject is required")
-    claims = {"role": role, "sub": subject, "iat": int(now), "exp": math.ceil(now + ttl_s) if ttl_s > 0 else 0}
+    claims = {"role": role, "sub": subject, "iat": int(now), "exp": max(math.ceil(now + ttl_s), math.floor(now) + 1) if ttl_s > 0 else 0}
     signed = f"{PREFIX}.{_b64(json.dumps(claims, separators=(',', ':')).encode())}"
     return f"{signed}.{_mac(secret, signed)}"
 

@@ -217,3 +217,26 @@ def complete_request(pin: Any, report: PrefillReport | None) -> Any:
     nbytes, seconds = report.bandwidth_sample()
     return pb.CompleteTransferRequest(pin_id=pin.pin_id, success=not report.pull_failed, bytes=nbytes,
                                       duration_s=seconds)
+
+
+def plan_attributes(plan: Any) -> dict[str, Any]:
+    """A ``Plan``'s span attributes, the same on the router's ``kvloop.turn`` and the broker's placement span:
+    the planned path (``kvloop.planned``), ``kvloop.plan.*`` (why, what it matched and would reuse, which engines)
+    and each path's estimated cost (``kvloop.cost.*``)."""
+    cost = plan.cost
+    decision = type(plan).DESCRIPTOR.fields_by_name["decision"].enum_type.values_by_number[plan.decision].name
+    return {"kvloop.planned": decision.removeprefix("DECISION_"), "kvloop.plan.reason": plan.reason,
+            "kvloop.plan.session": plan.session_id, "kvloop.plan.local_tokens": plan.local_tokens,
+            "kvloop.plan.pull_tokens": plan.pull_tokens, "kvloop.plan.matched_tokens": plan.matched_tokens,
+            "kvloop.plan.matched_blocks": plan.matched_blocks, "kvloop.plan.prompt_blocks": plan.prompt_blocks,
+            "kvloop.plan.recompute_tokens": plan.recompute_tokens,
+            "kvloop.plan.threshold_tokens": plan.threshold_tokens,
+            "kvloop.plan.cached_tokens_seen": plan.cached_tokens_seen,
+            "kvloop.plan.decode_local_veto": plan.decode_local_veto,
+            "kvloop.plan.source_engine": plan.source_engine_id, "kvloop.plan.source_lease": plan.source_lease_id,
+            "kvloop.plan.prefill_engine": plan.prefill_engine_id, "kvloop.plan.decode_engine": plan.decode_engine_id,
+            "kvloop.plan.decode_sticky": plan.decode_sticky, "kvloop.plan.candidates": plan.candidates,
+            "kvloop.cost.transfer_s": cost.transfer_s, "kvloop.cost.recompute_s": cost.recompute_s,
+            "kvloop.cost.measured": cost.measured, "kvloop.cost.decode_local_s": cost.decode_local_s,
+            "kvloop.cost.prefill_local_s": cost.prefill_local_s, "kvloop.cost.transfer_path_s": cost.transfer_path_s,
+            "kvloop.cost.recompute_path_s": cost.recompute_path_s}

@@ -2,7 +2,8 @@
 
 ``kvloop bench chaos`` itself checks what must hold (no hang, no error with an engine of each role alive, answers
 equal to a reference engine's up to near-ties, books in agreement, back to baseline after the leases' TTL, no
-block freed while pinned) and exits 1 when anything failed; this test runs it small and reads its figures."""
+block freed while pinned) and exits 1 when anything failed; this test runs it small, on the engine tests' model
+(the reference engine starts while the run waits out the leases' TTL), and reads its figures."""
 
 from __future__ import annotations
 
@@ -20,10 +21,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_every_fault_kind_once_loses_nothing(tmp_path: Path) -> None:
+def test_every_fault_kind_once_loses_nothing(tiny_model: Path, tmp_path: Path) -> None:
     out = tmp_path / "chaos.json"
-    argv = [sys.executable, "-m", "kvloop.cli", "bench", "chaos", "--sessions", "4", "--turns", "5",
-            "--concurrency", "2", "--rounds", "1", "--no-baseline", "--seed", "1", "--client-timeout-s", "120",
+    argv = [sys.executable, "-m", "kvloop.cli", "bench", "chaos", "--model", str(tiny_model), "--sessions", "4",
+            "--turns", "5", "--concurrency", "2", "--rounds", "1", "--no-baseline", "--seed", "1",
+            "--client-timeout-s", "120",
             "--deadline-s", "900", "--work-dir", str(tmp_path / "work"), "--out", str(out)]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=1500, stdin=subprocess.DEVNULL)
     print(done.stdout[-6000:])

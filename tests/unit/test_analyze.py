@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -14,10 +13,15 @@ from kvloop.analyze.main import main as analyze_main
 from kvloop.analyze.retention import Fleet, Setting
 from kvloop.analyze.verdict import verdict
 from kvloop.cli import build_parser
+from kvloop.router.directory import EngineInfo
+from kvloop.router.outcome import Turn, TurnOutcome
+from kvloop.router.plan import TurnPlan
 from kvloop.router.records import KEY_HEX, RecordWriter, TurnRecord, turn_record
 from kvloop.shared.errors import ConfigError
 from kvloop.shared.hashing import common_prefix_blocks
 from kvloop.shared.protocol import PrefillReport
+from kvloop.shared.vocabulary import Path as TurnPath
+from kvloop.shared.vocabulary import Reason
 
 BS = 4
 
@@ -186,15 +190,18 @@ def test_records_round_trip_and_reject_bad_lines(tmp_path: Path) -> None:
 
 
 def test_the_router_record_of_a_turn_holds_digests_not_tokens() -> None:
-    prepared = SimpleNamespace(
-        done=PrefillReport(local_tokens=8, pulled_tokens=4, pulled_blocks=1, pulled_bytes=512, computed_tokens=2,
-                           pull_ms=1.5), session="s", prompt_tokens=14, block_size=4, prompt_keys=[bytes(32)] * 3,
-        decision="TRANSFER", path="TRANSFER", reason="transfer_cheaper", prefill_engine="p0",
-        decode=SimpleNamespace(engine_id="d0"), body={"model": "tiny", "messages": [{"content": "secret"}]},
-        timings_ms={"place": 0.2})
+    engine = EngineInfo("d0", "decode", "http://d0")
+    plan = TurnPlan(kind="chat", session="s", model="tiny", path=TurnPath.TRANSFER, reason=Reason.TRANSFER_CHEAPER,
+                    prompt_tokens=14, block_size=4, prefill=EngineInfo("p0", "prefill", "http://p0"),
+                    decodes=(engine,), keys=(bytes(32),) * 3)
+    prepared = Turn(body={"model": "tiny", "messages": [{"content": "secret"}]}, plan=plan, span=None, started=0.0,
+                    outcome=TurnOutcome(prefill_engine="p0", timings_ms={"place": 0.2}, report=PrefillReport(
+                        local_tokens=8, pulled_tokens=4, pulled_blocks=1, pulled_bytes=512, computed_tokens=2,
+                        pull_ms=1.5)))
     r = turn_record(prepared, now=100.0, elapsed_s=0.5, output_tokens=7, ttft_s=0.25, error="")
     assert (r.t, r.t_end, r.keys, r.ttft_ms, r.pulled_bytes) == (99.5, 100.0, ("0" * KEY_HEX,) * 3, 250.0, 512)
     assert "secret" not in r.to_json()
+    assert (r.path, r.planned, r.decode_engine, r.model) == ("TRANSFER", "TRANSFER", "d0", "tiny")
 
 
 def test_conversations_become_records() -> None:
