@@ -33,7 +33,9 @@ from kvloop.shared.tls import check_files
 
 ROLES = ("prefill", "decode", "both")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
+KV_ROLES = ("auto", "kv_both", "kv_producer", "kv_consumer")
+KV_ROLE_OF_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
+"""vLLM's kv_role for each P/D role: the one place it is decided (``kv_role: auto``, the default)."""
 
 CONNECTORS: dict[str, dict[str, str]] = {
     # Upstream vLLM 0.32's NIXL connector (NixlPullConnector), as it ships.
@@ -142,7 +144,8 @@ class EngineConfig(ServiceConfig):
     connector: str = setting(DEFAULT_CONNECTOR, "KV connector: nixl (upstream NixlConnector), kvloop "
                                                 "(kvloop.engines.connector), or none (no transfers)",
                              choices=tuple(CONNECTORS))
-    kv_role: str = setting("kv_both", "vLLM kv_role; kvloop engines both send and receive KV", choices=KV_ROLES)
+    kv_role: str = setting("auto", "vLLM kv_role; auto = by role (prefill kv_producer, decode kv_consumer, both "
+                                   "kv_both); transfers run both ways whatever it says", choices=KV_ROLES)
     kv_connector_extra_config: str = setting("{}", "JSON object passed as kv_connector_extra_config")
     extra_vllm_args: str = setting("", "more `vllm serve` arguments, shell-quoted (not the ones set above), e.g. "
                                          "--extra-vllm-args '--max-num-seqs 8'", dashed_value=True)
@@ -275,7 +278,7 @@ class EngineConfig(ServiceConfig):
         (``kv_load_failure_policy``), and the connector's link to the sidecar; keys given in
         ``kv_connector_extra_config`` win."""
         config: dict[str, Any] = dict(CONNECTORS[self.connector])
-        config.update(kv_role=self.kv_role, engine_id=engine_id)
+        config.update(kv_role=self.resolved_kv_role(), engine_id=engine_id)
         if is_cpu_build():
             config["kv_buffer_device"] = "cpu"
         extra: dict[str, Any] = {}
@@ -309,6 +312,9 @@ class EngineConfig(ServiceConfig):
 
     def resolved_block_size(self) -> int | None:
         return self.block_size if self.block_size is not None else (128 if is_cpu_build() else None)
+
+    def resolved_kv_role(self) -> str:
+        return KV_ROLE_OF_ROLE[self.role] if self.kv_role == "auto" else self.kv_role
 
     def resolved_enforce_eager(self) -> bool:
         return self.enforce_eager if self.enforce_eager is not None else is_cpu_build()

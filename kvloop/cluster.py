@@ -130,7 +130,6 @@ def pd_configs(model: Path, work: Path, broker: str, *, prefill: int, decode: in
     each bound to its role's cores; ``settings`` are further :class:`EngineConfig` fields for all."""
     roles = ["prefill"] * prefill + ["decode"] * decode
     return [EngineConfig(role=role, model=model, engine_id=f"{role}-{i}", work_dir=work, broker=broker,
-                         kv_role="kv_producer" if role == "prefill" else "kv_consumer",
                          omp_threads_bind="role", **settings) for i, role in enumerate(roles)]
 
 

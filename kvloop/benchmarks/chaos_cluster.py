@@ -97,7 +97,6 @@ class ChaosCluster:
         s = self.settings
         return EngineConfig(role=role, model=model, engine_id=f"{role}-{index}", work_dir=self.work, dtype="float32",
                             broker=self.broker_addresses, connector="kvloop", max_model_len=s.max_model_len,
-                            kv_role="kv_producer" if role == "prefill" else "kv_consumer",
                             omp_threads_bind=role_cores(role), hold_s=s.hold_s, lease_ttl_s=s.lease_ttl_s,
                             log_level="warning", port=pick_port(), nixl_port=pick_port())
 

@@ -81,7 +81,6 @@ def start_cluster(model: Path, work: Path, connector: str, broker: str) -> Engin
     return start_engines([EngineConfig(role=role, model=model, max_model_len=16384, work_dir=work,
                                        connector=connector, broker=broker if connector == "kvloop" else "",
                                        engine_id=f"{role}-{i}", omp_threads_bind=role_cores(role),
-                                       kv_role="kv_producer" if role == "prefill" else "kv_consumer",
                                        kv_connector_extra_config=extra, log_level="warning")
                           for i, role in enumerate(("prefill", "prefill", "decode"))], timeout_s=900)
 

@@ -143,7 +143,6 @@ def engine_config(model: Path, work: Path, role: str, index: int, *, connector: 
                         broker=broker, max_model_len=size.max_model_len,
                         extra_vllm_args=f"--num-gpu-blocks-override {blocks}" if blocks else "",
                         retention_fraction=size.retention_fraction, omp_threads_bind=cores or role_cores(role),
-                        kv_role={"prefill": "kv_producer", "decode": "kv_consumer"}.get(role, "kv_both"),
                         kv_connector_extra_config=json.dumps(extra), log_level="warning")
 
 

@@ -72,7 +72,8 @@ def mint(secret: bytes, role: str, subject: str, now: float, ttl_s: float = 0.0)
         raise ValueError(f"role must be one of {list(ROLES)}, not {role!r}")
     if not subject:
         raise ValueError("subject is required")
-    claims = {"role": role, "sub": subject, "iat": int(now), "exp": max(math.ceil(now + ttl_s), math.floor(now) + 1) if ttl_s > 0 else 0}
+    expires = max(math.ceil(now + ttl_s), math.floor(now) + 1) if ttl_s > 0 else 0
+    claims = {"role": role, "sub": subject, "iat": int(now), "exp": expires}
     signed = f"{PREFIX}.{_b64(json.dumps(claims, separators=(',', ':')).encode())}"
     return f"{signed}.{_mac(secret, signed)}"
 

@@ -150,7 +150,6 @@ def pd_engines(tiny_model: Path, engines_broker: str, tmp_path_factory: pytest.T
     t0 = time.monotonic()
     started = start_engines([EngineConfig(role=role, model=tiny_model, dtype="float32", max_model_len=4096,
                                           work_dir=work_dir, kv_connector_extra_config=EXTRA_CONFIG,
-                                          kv_role="kv_producer" if role == "prefill" else "kv_consumer",
                                           omp_threads_bind=role_cores(role), connector="kvloop",
                                           broker=engines_broker, engine_id=f"{role}-test")
                              for role in ("prefill", "decode")], timeout_s=ENGINE_START_TIMEOUT_S)

@@ -266,7 +266,7 @@ def test_command_and_environment(tmp_path: Path) -> None:
     assert flags["--port"] == "8100" and flags["--host"] == "127.0.0.1" and flags["--served-model-name"] == "tiny"
     assert flags["--dtype"] == "float32" and flags["--max-model-len"] == "2048"
     kv = json.loads(flags["--kv-transfer-config"])
-    assert kv["kv_connector"] == "NixlConnector" and kv["engine_id"] == "d-1" and kv["kv_role"] == "kv_both"
+    assert kv["kv_connector"] == "NixlConnector" and kv["engine_id"] == "d-1" and kv["kv_role"] == "kv_consumer"
     assert kv["kv_connector_extra_config"] == {"kv_lease_duration": 60}
     assert "kv_connector_module_path" not in kv
     assert argv[-2:] == ["--max-num-seqs", "4"]

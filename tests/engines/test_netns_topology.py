@@ -316,7 +316,6 @@ def test_services_in_separate_namespaces_transfer_over_the_test_subnet(netns_per
         engines.append(topo.spawn(role, f"engine-{role}", [
             *py, "engine", "--role", role, "--model", str(tiny_model), "--engine-id", f"{role}-netns",
             "--dtype", "float32", "--max-model-len", "4096", "--omp-threads-bind", cpus,
-            "--kv-role", "kv_producer" if role == "prefill" else "kv_consumer",
             "--kv-connector-extra-config", EXTRA_CONFIG, "--host", host, "--port", str(ENGINE_PORT),
             "--nixl-host", host, "--nixl-port", str(NIXL_PORT), "--sidecar-listen", f"{host}:{SIDECAR_PORT}",
             "--broker", BROKER, "--broker-token-file", str(auth.token_file("engine", f"{role}-netns")),

@@ -276,7 +276,7 @@ def test_killed_decode_engine_drops_its_leases_and_the_next_turn_recomputes(
     old.stop()
     config = EngineConfig(role="decode", model=pd_engines.model_dir, dtype="float32", max_model_len=4096,
                           work_dir=tmp_path_factory.mktemp("decode-again"), kv_connector_extra_config=EXTRA_CONFIG,
-                          kv_role="kv_consumer", omp_threads_bind=role_cores("decode"), connector="kvloop",
+                          omp_threads_bind=role_cores("decode"), connector="kvloop",
                           broker=pd_engines.broker, engine_id="decode-test-2")
     fresh = start_engines([config], timeout_s=ENGINE_START_TIMEOUT_S).by_id("decode-test-2")
     pd_engines.replacements.append(fresh)  # stopped at teardown (stop is idempotent)

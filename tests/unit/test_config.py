@@ -351,6 +351,14 @@ def test_binding_by_role_is_the_one_decision_kvloop_up_takes(role: str, monkeypa
     assert halves == ["0,1", "2,3"]
 
 
+def test_kv_role_is_decided_by_role_in_one_place_unless_set() -> None:
+    from kvloop.engines.config import KV_ROLE_OF_ROLE, EngineConfig
+    for role, kv_role in KV_ROLE_OF_ROLE.items():
+        assert EngineConfig(role=role, model="m").resolved_kv_role() == kv_role
+    assert EngineConfig(role="decode", model="m", kv_role="kv_both").resolved_kv_role() == "kv_both"
+    assert set(KV_ROLE_OF_ROLE.values()) == {"kv_producer", "kv_consumer", "kv_both"}
+
+
 SIDECAR_ENV = {"KVLOOP_SIDECAR_ENGINE_ID": "e", "KVLOOP_SIDECAR_BROKER": "127.0.0.1:1",
                "KVLOOP_SIDECAR_SOCKET": "/tmp/s", "KVLOOP_SIDECAR_ENGINE_URL": "http://x:1",
                "KVLOOP_SIDECAR_LAYOUT_FINGERPRINT": "f"}
