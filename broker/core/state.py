@@ -120,6 +120,16 @@ def check_engine_info(info: EngineInfo, lim: Limits) -> None:
     _check_address(info.addresses.http, "engine.addresses.http", HTTP_URL, "an http(s)://host[:port] URL")
 
 
+@dataclass
+class EngineBooks:
+    """What the broker derives for one engine from its leases: each retained block's lease count, the engine's
+    lease ids, and the recent eviction commands (for an engine that reconnects with an older sequence number)."""
+
+    log: deque[EvictionCommand]
+    refs: Counter[int] = field(default_factory=Counter)
+    lease_ids: set[str] = field(default_factory=set)
+
+
 class BrokerState:
     def __init__(
         self,
@@ -136,10 +146,10 @@ class BrokerState:
         self.leases: dict[str, Lease] = {}
         self.pins: dict[str, Pin] = {}
         self._index = BlockIndex()
-        self._refs: dict[str, Counter[int]] = {}
-        self._engine_leases: dict[str, set[str]] = {}
+        self._books: dict[str, EngineBooks] = {}
+        """Per registered engine, what the broker derives from its leases (never stored): opened with the engine's
+        record (:meth:`_open_engine`), closed with it (:meth:`_drop_engine`)."""
         self._session_leases: dict[str, set[str]] = {}
-        self._logs: dict[str, deque[EvictionCommand]] = {}
         self.soft = SoftIndex(self.limits.soft_index_max_blocks)
         """Each engine's prefix cache as its KV events tell it: in memory only, never in ``Changes``."""
         self.in_flight = InFlight(ttl_s=self.placement_policy.in_flight_ttl_s)
@@ -158,10 +168,12 @@ class BrokerState:
         self._changes.leases[lease.lease_id] = lease
 
     def retained_blocks(self, engine_id: str) -> int:
-        return len(self._refs.get(engine_id, ()))  # _remove_lease deletes blocks whose count reaches 0
+        books = self._books.get(engine_id)  # _remove_lease deletes blocks whose count reaches 0
+        return len(books.refs) if books is not None else 0
 
     def engine_lease_ids(self, engine_id: str) -> list[str]:
-        return sorted(self._engine_leases.get(engine_id, ()))
+        books = self._books.get(engine_id)
+        return sorted(books.lease_ids) if books is not None else []
 
     def hold_until(self, lease: Lease) -> float:
         """When the lease may disappear from a store at the latest: its expiry or its last pin's."""
@@ -172,10 +184,7 @@ class BrokerState:
         """Restore from a store (a restarted broker or a new leader). Eviction logs start empty, so an
         engine that reconnects with an older sequence number gets a resync."""
         for rec in engines:
-            self.engines[rec.info.engine_id] = rec
-            self._refs[rec.info.engine_id] = Counter()
-            self._engine_leases[rec.info.engine_id] = set()
-            self._logs[rec.info.engine_id] = deque(maxlen=self.limits.eviction_log_size)
+            self._open_engine(rec)
         for lease in leases:
             if lease.engine_id in self.engines:
                 lease.pin_ids = set()
@@ -214,12 +223,13 @@ class BrokerState:
             self._drop_engine(info.engine_id, now)
         rec = EngineRecord(info=info, registered_at=now, last_seen=now,
                            eviction_seq=old.eviction_seq if old else 0)
-        self.engines[info.engine_id] = rec
-        self._refs[info.engine_id] = Counter()
-        self._engine_leases[info.engine_id] = set()
-        self._logs[info.engine_id] = deque(maxlen=self.limits.eviction_log_size)
+        self._open_engine(rec)
         self._touch_engine(rec)
         return rec, []
+
+    def _open_engine(self, rec: EngineRecord) -> None:
+        self.engines[rec.info.engine_id] = rec
+        self._books[rec.info.engine_id] = EngineBooks(log=deque(maxlen=self.limits.eviction_log_size))
 
     def _engine(self, engine_id: str, field_name: str = "engine_id") -> EngineRecord:
         rec = self.engines.get(engine_id)
@@ -249,16 +259,14 @@ class BrokerState:
         return self._drop_engine(engine_id, now)
 
     def _drop_engine(self, engine_id: str, now: float) -> int:
-        lease_ids = list(self._engine_leases.get(engine_id, ()))
+        lease_ids = self.engine_lease_ids(engine_id)
         for lid in lease_ids:
             self._remove_lease(self.leases[lid])
         for pin in [p for p in self.pins.values() if p.reader_engine_id == engine_id]:
             self._unpin(pin.pin_id, now)
         self.engines.pop(engine_id, None)
         self.soft.drop(engine_id)
-        self._refs.pop(engine_id, None)
-        self._engine_leases.pop(engine_id, None)
-        self._logs.pop(engine_id, None)
+        self._books.pop(engine_id, None)
         self._changes.engines[engine_id] = None
         return len(lease_ids)
 
@@ -318,7 +326,8 @@ class BrokerState:
         # Leases on this engine that the new one extends (same content, a prefix of it) are redundant.
         superseded = self._index.prefixes_of(
             keys, self.leases, lambda lease: lease.engine_id == engine_id and lease.pending is None)
-        view = RefView(self._refs[engine_id])
+        books = self._books[engine_id]
+        view = RefView(books.refs)
         for old in superseded:
             if not old.pinned:
                 view.release(old.block_ids)
@@ -326,7 +335,7 @@ class BrokerState:
         need = view.distinct() - budget
         gone = {old.lease_id for old in superseded}
         candidates = [
-            self.leases[lid] for lid in self._engine_leases[engine_id]
+            self.leases[lid] for lid in books.lease_ids
             if lid not in gone and not self.leases[lid].pinned and self.leases[lid].pending is None
         ] if need > 0 else []
         victims, freed = choose_victims(self.eviction_policy, candidates, view, need, now)
@@ -382,20 +391,21 @@ class BrokerState:
     def _add_lease(self, lease: Lease) -> None:
         self.leases[lease.lease_id] = lease
         self._index.add(lease)
-        self._refs[lease.engine_id].update(set(lease.block_ids))
-        self._engine_leases[lease.engine_id].add(lease.lease_id)
+        books = self._books[lease.engine_id]
+        books.refs.update(set(lease.block_ids))
+        books.lease_ids.add(lease.lease_id)
         if lease.session_id:
             self._session_leases.setdefault(lease.session_id, set()).add(lease.lease_id)
 
     def _remove_lease(self, lease: Lease) -> None:
         del self.leases[lease.lease_id]
         self._index.remove(lease)
-        refs = self._refs[lease.engine_id]
-        refs.subtract(set(lease.block_ids))
+        books = self._books[lease.engine_id]
+        books.refs.subtract(set(lease.block_ids))
         for block in set(lease.block_ids):
-            if refs[block] <= 0:
-                del refs[block]
-        self._engine_leases[lease.engine_id].discard(lease.lease_id)
+            if books.refs[block] <= 0:
+                del books.refs[block]
+        books.lease_ids.discard(lease.lease_id)
         if lease.session_id:
             held = self._session_leases.get(lease.session_id)
             if held is not None:
@@ -423,15 +433,16 @@ class BrokerState:
         rec.eviction_seq += 1
         cmd = EvictionCommand(seq=rec.eviction_seq, engine_id=engine_id, lease_id=lease_id,
                               block_ids=block_ids, reason=reason)
-        self._logs[engine_id].append(cmd)
+        self._books[engine_id].log.append(cmd)
         self._changes.commands.append(cmd)
         self._touch_engine(rec)
         return cmd
 
     def _evict_for(self, engine_id: str, need: int, reason: EvictionReason, now: float) -> list[EvictionCommand]:
-        candidates = [self.leases[lid] for lid in self._engine_leases[engine_id]
+        books = self._books[engine_id]
+        candidates = [self.leases[lid] for lid in books.lease_ids
                       if not self.leases[lid].pinned and self.leases[lid].pending is None]
-        victims, _ = choose_victims(self.eviction_policy, candidates, self._refs[engine_id], need, now)
+        victims, _ = choose_victims(self.eviction_policy, candidates, books.refs, need, now)
         return [cmd for victim in victims for cmd in self._evict(victim, reason)]
 
     # ----------------------------------------------------------------- pins
@@ -603,7 +614,7 @@ class BrokerState:
     def commands_after(self, engine_id: str, after_seq: int) -> list[EvictionCommand]:
         """Commands an engine has not applied yet; a RESYNC when the log no longer covers the gap."""
         rec = self._engine(engine_id)
-        log = self._logs[engine_id]
+        log = self._books[engine_id].log
         last = rec.eviction_seq
         if after_seq == last:
             return []
