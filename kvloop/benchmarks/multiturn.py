@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gzip
 import json
 import math
 import os
@@ -545,8 +546,19 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     return final
 
 
+RAW_KEYS = ("turns", "itl_gaps_ms")
+"""The per-turn records and every inter-token gap: megabytes per run, kept gzipped beside the summary."""
+
+
 def write_json(path: Path, result: dict[str, Any]) -> None:
-    path.write_text(json.dumps({k: v for k, v in result.items() if not k.startswith("_")}, indent=2))
+    """The summary at ``path``, small enough to keep in a repository; the whole record (every turn and gap) in
+    ``<path stem>.full.json.gz`` beside it, named by the summary's ``full_record``."""
+    record = {k: v for k, v in result.items() if not k.startswith("_")}
+    full = path.with_name(f"{path.stem}.full.json.gz")
+    with gzip.open(full, "wt") as out:
+        json.dump(record, out)
+    summary = {k: v for k, v in record.items() if k not in RAW_KEYS}
+    path.write_text(json.dumps({**summary, "full_record": str(full)}, indent=2))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -7,6 +7,7 @@ multiturn`` with no ``--configs`` runs all five. The bench's arithmetic is teste
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import subprocess
@@ -71,7 +72,10 @@ def test_small_multiturn_run_writes_the_promised_json(tiny_model: Path, tmp_path
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     data = json.loads(out.read_text())
     assert set(data) >= {"configs", "ratios", "ratio_spreads", "withheld_ratios", "markdown", "workload", "machine",
-                         "engines", "wall_seconds", "turns", "plots"}
+                         "engines", "wall_seconds", "plots", "full_record"} and "turns" not in data
+    with gzip.open(data["full_record"], "rt") as full:
+        record = json.load(full)
+    assert len(record["turns"]) == sum(c["requests"] for c in data["configs"].values()) and record["itl_gaps_ms"]
     assert set(data["configs"]) == {"one_way", "kvloop", "ideal"}
     for name, config in data["configs"].items():
         for key in ("ttft_ms", "late_ttft_ms", "itl_ms", "e2e_ms"):

@@ -22,7 +22,7 @@ from kvloop.engines.sidecar.cache_events import CacheMirror, decode_batch
 from kvloop.shared.hashing import ExtraKeys, block_keys
 from kvloop.v1 import broker_pb2 as pb
 from kvloop.v1 import broker_pb2_grpc
-from tests.engines.test_return_path import wait_for
+from tests.support.engine_checks import wait_for
 
 if TYPE_CHECKING:
     from kvloop.engines.launcher import EngineProcess

@@ -27,7 +27,7 @@ import pytest
 from kvloop.engines.config import EngineConfig, is_cpu_build
 from kvloop.engines.launcher import EngineProcess, build_command, build_env, plan_engine, rpc_dir, start_engine
 from kvloop.shared.errors import ConfigError
-from kvloop.shared.http import read_metrics
+from tests.support.engine_checks import metric, scrape
 
 if TYPE_CHECKING:
     from tests.engines.conftest import PDEngines
@@ -40,21 +40,6 @@ def http_json(url: str, body: dict[str, Any] | None = None, timeout_s: float = 3
     request = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
     with urllib.request.urlopen(request, timeout=timeout_s) as reply:
         return json.loads(reply.read())
-
-
-def scrape(url: str, attempts: int = 3, timeout_s: float = 60.0) -> dict[str, float]:
-    """Prometheus text format -> {'name{labels}': value} (samples only); retried on a new connection."""
-    return read_metrics(url, timeout_s=timeout_s, attempts=attempts)
-
-
-def metric(samples: dict[str, float], name: str, **labels: str) -> float:
-    """Sum of the samples of ``name`` whose labels include ``labels``."""
-    total = 0.0
-    for key, value in samples.items():
-        base, _, rest = key.partition("{")
-        if base == name and all(f'{k}="{v}"' in rest for k, v in labels.items()):
-            total += value
-    return total
 
 
 def group_members(pgid: int) -> list[int]:

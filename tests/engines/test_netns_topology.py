@@ -35,7 +35,7 @@ import pytest
 from kvloop.engines.config import split_cores
 from kvloop.shared.auth import ClusterCredentials
 from tests.engines.conftest import BROKER_FLAGS, EXTRA_CONFIG
-from tests.engines.test_router import assert_same_tokens
+from tests.support.engine_checks import assert_same_tokens
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 

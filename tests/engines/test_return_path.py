@@ -13,7 +13,7 @@ import math
 import random
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
@@ -27,7 +27,7 @@ from kvloop.shared.protocol import decode_local_params
 from kvloop.v1 import broker_pb2 as pb
 from kvloop.v1 import broker_pb2_grpc
 from tests.engines.conftest import ENGINE_START_TIMEOUT_S, EXTRA_CONFIG
-from tests.engines.test_launcher import metric, scrape
+from tests.support.engine_checks import NEAR_TIE, metric, scrape, wait_for
 
 if TYPE_CHECKING:
     from tests.engines.conftest import PDEngines
@@ -38,20 +38,6 @@ BS = 128
 T = TypeVar("T")
 # Float32 on both engines: a correct path differs from another by float rounding only.
 LOGPROB_TOLERANCE = 2e-3
-NEAR_TIE = 0.05  # nats: where greedy paths may legitimately part
-
-
-def wait_for(fn: Callable[[], T], ok: Callable[[T], bool], *, timeout_s: float, what: str) -> T:
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = fn()
-        if ok(last):
-            return last
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; last: {last!r}")
-
-
 def tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(300, 4000) for _ in range(n)]
 

@@ -22,7 +22,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from kvloop.router.config import RouterConfig
 from kvloop.router.server import RunningRouter, start_router
 from kvloop.shared.http import aiter_sse
-from tests.engines.test_return_path import NEAR_TIE
+from tests.support.engine_checks import assert_same_tokens
 
 if TYPE_CHECKING:
     from tests.engines.conftest import PDEngines
@@ -99,18 +99,6 @@ def chat_body(model: str, messages: list[dict[str, str]], max_tokens: int = 12, 
 
 def turn_spans() -> list[Any]:
     return [s for s in SPANS.get_finished_spans() if s.name == "kvloop.turn"]
-
-
-def assert_same_tokens(got: dict[str, Any], want: dict[str, Any]) -> None:
-    """Chat answers with logprobs: equal token for token, or parting at a near-tie of the reference."""
-    a = got["choices"][0]["logprobs"]["content"]
-    b = want["choices"][0]["logprobs"]["content"]
-    for x, y in zip(a, b, strict=False):
-        if x["token"] != y["token"]:
-            tops = sorted((t["logprob"] for t in y["top_logprobs"]), reverse=True)
-            assert len(tops) >= 2 and tops[0] - tops[1] < NEAR_TIE, (x, y)
-            return
-    assert len(a) == len(b)
 
 
 async def test_completions_streamed_and_not(router: RunningRouter, pd_engines: PDEngines) -> None:

@@ -26,7 +26,7 @@ from kvloop.shared.protocol import KV_EVENTS_TOPIC
 from kvloop.v1 import broker_pb2 as pb
 from tests.integration.conftest import ModuleBrokerFactory
 from tests.integration.helpers import Broker, engine, poll
-from tests.integration.test_sidecar import FakeConnector, hello, running_sidecar
+from tests.support.sidecar_fakes import FakeConnector, hello, running_sidecar
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events")  # seconds to import: vLLM's config comes with it
 pytestmark = pytest.mark.slow

@@ -34,8 +34,8 @@ from kvloop.v1 import broker_pb2 as pb
 from kvloop.v1 import broker_pb2_grpc
 from tests.integration.conftest import ModuleBrokerFactory
 from tests.integration.helpers import SERVICE, StreamReader, engine, place_request, poll, publish_request, tokens
-from tests.integration.test_sidecar import FakeConnector, hello, retained, running_sidecar
 from tests.integration.tlscerts import Issued, TestCA
+from tests.support.sidecar_fakes import FakeConnector, hello, retained, running_sidecar
 
 pytestmark = pytest.mark.slow
 FP = "fp-tls"

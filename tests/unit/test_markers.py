@@ -35,3 +35,17 @@ def test_an_unmarked_test_that_starts_an_engine_fails(tmp_path: Path) -> None:
     finally:
         probe.unlink()
     assert done.returncode == 1 and "starts an engine but is not marked slow" in done.stdout, done.stdout[-2000:]
+
+
+def test_no_test_module_imports_another() -> None:
+    """Shared fakes and helpers live in ``tests/support`` (or a folder's ``helpers.py``), not in test modules."""
+    import ast
+
+    offenders = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tests."):
+                last = node.module.rsplit(".", 1)[-1]
+                if last.startswith("test_"):
+                    offenders.append(f"{path.relative_to(ROOT)}: from {node.module}")
+    assert offenders == []
