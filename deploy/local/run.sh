@@ -63,25 +63,6 @@ setup() {
   fi
 }
 
-# The suite in lanes (KVLOOP_TEST_LANES=off: one pytest run). The chaos run (minutes, mostly waiting on restarts
-# and TTLs) beside everything else, then the tests marked `solo` (timings that another lane's engines would
-# disturb) alone. Every test runs once; the exit status is the first failing lane's.
-CHAOS_TEST=tests/engines/test_chaos.py
-run_lanes() {
-  echo "== the engine tests' model"; "$VENV/bin/python" -m tests.support.models
-  local log; log=$(mktemp); local started=$SECONDS
-  echo "== pytest, lane chaos ($CHAOS_TEST) beside lane main (all but it and the solo tests); output after"
-  "$VENV/bin/pytest" -q -p no:cacheprovider "$CHAOS_TEST" >"$log" 2>&1 &
-  local chaos=$!
-  local main=0; "$VENV/bin/pytest" -q -m "not solo" --ignore "$CHAOS_TEST" --durations=15 || main=$?
-  local lane=0; wait "$chaos" || lane=$?
-  echo "== lane chaos (exit $lane)"; tail -n 40 "$log"; rm -f "$log"
-  echo "== pytest, lane solo"
-  local solo=0; "$VENV/bin/pytest" -q -m solo -p no:cacheprovider || solo=$?
-  echo "== lanes: main $main, chaos $lane, solo $solo; $(( SECONDS - started )) s"
-  for rc in "$main" "$lane" "$solo"; do [ "$rc" = 0 ] || exit "$rc"; done
-}
-
 cmd=${1:-}
 shift || true
 case "$cmd" in
@@ -93,10 +74,7 @@ case "$cmd" in
     setup
     echo "== ruff"; "$VENV/bin/ruff" check .
     echo "== mypy"; "$VENV/bin/mypy"
-    if [ $# -gt 0 ] || [ "${KVLOOP_TEST_LANES:-on}" = off ]; then
-      echo "== pytest"; exec "$VENV/bin/pytest" -q "$@"
-    fi
-    run_lanes
+    echo "== pytest"; exec "$VENV/bin/pytest" -q "$@"
     ;;
   *)
     echo "usage: $0 up|test [args...]" >&2

@@ -19,7 +19,7 @@ from kvloop.benchmarks.stall_probe import ProbeShape, probe, summary
 from kvloop.engine_set import start_engines
 from kvloop.engines.config import EngineConfig, role_cores
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.solo]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 BOUND_S = 1.5
 """Far under the 5 s of a lost wake-up, with room over the 0.74 s slowest turn measured here on one core."""

@@ -1,5 +1,4 @@
-"""The engine tests' model. ``python -m tests.support.models`` builds it ahead of the test lanes
-(deploy/local/run.sh), so two lanes do not build it side by side."""
+"""The engine tests' model (``python -m tests.support.models`` builds it ahead of a run, and prints its path)."""
 
 from __future__ import annotations
 
