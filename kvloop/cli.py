@@ -59,7 +59,8 @@ async def _inspect(addresses: str, timeout_s: float, tls: Any = None, token: str
     from kvloop.v1 import broker_pb2 as pb
 
     async with BrokerClient(addresses, timeout_s=timeout_s, tls=tls, token=token) as client:
-        return await client.call("Inspect", pb.InspectRequest())
+        # A follower answers Inspect with its own empty view: ask until the leader answers.
+        return await client.call("Inspect", pb.InspectRequest(), from_leader=True)
 
 
 def _broker_status(args: argparse.Namespace) -> int:

@@ -3,6 +3,10 @@ takes over when the leader dies. Real etcd (session fixture), real broker proces
 
 from __future__ import annotations
 
+import asyncio
+import json
+import subprocess
+import sys
 import time
 
 import grpc
@@ -155,6 +159,14 @@ async def test_failover_to_the_follower(start_broker: ModuleBrokerFactory, etcd_
         cached = pb.CacheEventBatch(engine_id="p", incarnation="inc-1", seq=1, reset=True,
                                     stored_keys=lease.block_keys[:2])
         assert (await client.call("ReportCacheEvents", cached)).cached_blocks == 2
+
+        # An operator's status given both replicas, follower first, shows the leader's view, not the follower's
+        # empty one (found by the container test when the second replica won the election).
+        status = await asyncio.to_thread(subprocess.run, [
+            sys.executable, "-m", "kvloop.cli", "broker", "status", "--broker", f"{follower.address},{leader.address}",
+            "--json"], capture_output=True, text=True, timeout=60)
+        view = json.loads(status.stdout)
+        assert view["leader"] is True and {e["engine"]["engine_id"] for e in view["engines"]} == {"p", "d"}, status
 
         # A placement stream opened on the follower is told so in the plan, and moves to the leader (the router's
         # streams did not: every turn of a two-replica cluster fell back to recompute, found by kvloop bench chaos).
