@@ -45,7 +45,8 @@ class Directory:
         self.unlisted_grace_s = config.unlisted_grace_s
         self._rr: dict[str, itertools.count[int]] = {}
         """One round-robin counter per role: with one shared, a turn that picks a prefill then a decode engine
-        always landed on the same decode engine of two (seen in kvloop bench chaos)."""
+        lands on the same decode engine of two every time
+        (``test_directory_prefers_the_broker_list_and_round_robins``)."""
 
     def update(self, reply: pb.InspectResponse, now: float) -> None:
         listed = {e.engine.engine_id: EngineInfo(e.engine.engine_id, ROLES.get(e.engine.role, "both"),
@@ -61,12 +62,14 @@ class Directory:
 
     def last_resort(self, role: str, model: str = "") -> list[EngineInfo]:
         """Engines of ``role`` serving ``model`` that the broker stopped listing less than ``unlisted_grace_s``
-        ago (as of the last refresh). The broker lists an engine while its sidecar keeps it alive, so a sidecar
-        restart hides a serving engine: when the listed engines of a role have all failed a turn, or none is
-        listed, these are worth one try each (a dead one refuses the connection at once). Seen in kvloop bench
-        chaos: a sidecar restart on one decode engine and a kill of the other, seconds apart, left a stream with
-        nowhere to resume, and the next turn with no decode engine at all. The latest to go comes first: an
-        engine whose sidecar restarts drops after one that died with its engine."""
+        ago (as of the last refresh), the latest to go first; each is worth one try when the listed engines of a
+        role have all failed a turn, or none is listed.
+
+        Why: the broker lists an engine while its sidecar keeps it alive, so a sidecar restart hides an engine that
+        still serves, and a stream may have nowhere else to resume (a sidecar restart on one decode engine and a
+        kill of the other). A dead engine refuses the connection at once, so the try is cheap; an engine whose
+        sidecar restarts drops after one that died with its engine, hence the order
+        (``test_an_engine_the_broker_stops_listing_stays_a_last_resort_for_a_while``)."""
         recent = sorted(self.unlisted.values(), key=lambda item: -item[1])
         return [info for info, _ in recent if info.role in (role, "both") and info.http and info.serves(model)]
 
