@@ -32,7 +32,7 @@ from opentelemetry import trace
 
 from kvloop.router.config import RouterConfig
 from kvloop.router.directory import Directory, EngineInfo
-from kvloop.router.engine_calls import CHAT_TEMPLATE_FIELDS, EngineCalls
+from kvloop.router.engine_calls import CHAT_TEMPLATE_FIELDS, EngineCalls, failure_text
 from kvloop.router.errors import EngineReplyError, TurnError
 from kvloop.router.metrics import RouterMetrics
 from kvloop.router.outcome import Turn
@@ -214,11 +214,9 @@ class TurnRunner:
                     async with self.http.post(f"{engine.http}{turn.plan.endpoint}", json=request,
                                               headers=self.engines.headers(turn.span),
                                               timeout=self.engines.timeout()) as reply:
-                        if reply.status >= 400:
-                            data = await reply.json(content_type=None)
-                            if reply.status < 500:
-                                raise EngineReplyError(reply.status, data).turn_error()
-                            last = f"{engine.engine_id} answered {reply.status}"
+                        if reply.status >= 400:  # 4xx: the engine's own error ends the turn; 5xx: the next
+                            last = failure_text(engine, EngineReplyError(reply.status,
+                                                                         await reply.json(content_type=None)))
                             self.metrics.fallbacks.labels(Fallback.DECODE_RETRY).inc()
                             continue
                         turn.outcome.decode = engine
@@ -232,7 +230,7 @@ class TurnRunner:
                             self.metrics.fallbacks.labels(Fallback.DECODE_RESUME_DIVERGED).inc()
                         return
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
-                last = f"{engine.engine_id}: {str(exc) or type(exc).__name__}"
+                last = failure_text(engine, exc)
                 if ledger.started and not resumable:
                     raise TurnError(502, f"the decode engine failed mid-stream ({last})") from None
                 kind = Fallback.DECODE_RESUME if ledger.started else Fallback.DECODE_RETRY

@@ -13,7 +13,7 @@ import grpc
 
 from kvloop.shared.protocol import PrefillReport, pull_params
 from kvloop.shared.tls import TlsFiles, insecure_or_secure_channel
-from kvloop.v1 import broker_pb2_grpc
+from kvloop.v1 import broker_pb2, broker_pb2_grpc
 
 
 class BrokerClient:
@@ -224,8 +224,8 @@ def plan_attributes(plan: Any) -> dict[str, Any]:
     the planned path (``kvloop.planned``), ``kvloop.plan.*`` (why, what it matched and would reuse, which engines)
     and each path's estimated cost (``kvloop.cost.*``)."""
     cost = plan.cost
-    decision = type(plan).DESCRIPTOR.fields_by_name["decision"].enum_type.values_by_number[plan.decision].name
-    return {"kvloop.planned": decision.removeprefix("DECISION_"), "kvloop.plan.reason": plan.reason,
+    return {"kvloop.planned": broker_pb2.Decision.Name(plan.decision).removeprefix("DECISION_"),
+            "kvloop.plan.reason": plan.reason,
             "kvloop.plan.session": plan.session_id, "kvloop.plan.local_tokens": plan.local_tokens,
             "kvloop.plan.pull_tokens": plan.pull_tokens, "kvloop.plan.matched_tokens": plan.matched_tokens,
             "kvloop.plan.matched_blocks": plan.matched_blocks, "kvloop.plan.prompt_blocks": plan.prompt_blocks,
