@@ -26,6 +26,9 @@ def test_every_fault_kind_once_loses_nothing(tiny_model: Path, tmp_path: Path) -
     argv = [sys.executable, "-m", "kvloop.cli", "bench", "chaos", "--model", str(tiny_model), "--sessions", "4",
             "--turns", "5", "--concurrency", "2", "--rounds", "1", "--no-baseline", "--seed", "1",
             "--client-timeout-s", "120",
+            # A restarted decode engine the placement does not choose again is waited for 20 s, not 120: its
+            # recovery time is then blank, which this test does not check (the full run measures it).
+            "--recovery-wait-s", "20",
             "--deadline-s", "900", "--work-dir", str(tmp_path / "work"), "--out", str(out)]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=1500, stdin=subprocess.DEVNULL)
     print(done.stdout[-6000:])
