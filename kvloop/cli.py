@@ -1,5 +1,5 @@
 """The ``kvloop`` command: ``broker serve|status``, ``up``, ``demo``, ``analyze``, ``router``,
-``model tiny|fingerprint``, ``engine``, ``sidecar``, ``bench broker|broker-scale|engines|multiturn|chaos``."""
+``model tiny|fingerprint``, ``engine``, ``sidecar``, ``bench broker|broker-scale|engines|multiturn|load|chaos``."""
 
 from __future__ import annotations
 
@@ -210,6 +210,12 @@ def _bench_multiturn(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
+def _bench_load(args: argparse.Namespace) -> int:
+    from kvloop.benchmarks.load import main as bench_main
+
+    return bench_main(args)
+
+
 def _bench_chaos(args: argparse.Namespace) -> int:
     from kvloop.benchmarks.chaos import main as bench_main
 
@@ -348,6 +354,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_multiturn_arguments(bench_multiturn)
     bench_multiturn.set_defaults(func=_bench_multiturn)
+    bench_load = bench.add_parser("load", help="goodput at an SLO over a sweep of load, kvloop beside the aggregated "
+                                               "engine, driven by AIPerf")
+    from kvloop.benchmarks.load import add_arguments as add_load_arguments
+
+    add_load_arguments(bench_load)
+    bench_load.set_defaults(func=_bench_load)
     bench_chaos = bench.add_parser("chaos", help="agent sessions through the router while seeded faults hit the "
                                                  "cluster: hangs, wrong answers, books, recovery times")
     from kvloop.benchmarks.chaos import add_arguments as add_chaos_arguments

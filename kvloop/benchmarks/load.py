@@ -1,0 +1,373 @@
+"""``kvloop bench load``: goodput at a stated SLO over a sweep of load, each configuration on its own engines,
+one after another, driven by NVIDIA AIPerf (:mod:`kvloop.benchmarks.aiperf`).
+
+Configurations (``--configs``), on the same engine settings as ``kvloop bench multiturn`` (its
+:func:`~kvloop.benchmarks.multiturn.engine_config`: model, dtype, core split, queue-spin cap):
+
+- ``kvloop``: ``kvloop up``'s topology (2 prefill engines on the first half of the cores, 1 decode engine on
+  the second), broker and router;
+- ``kvloop_pd``: the same, the router asking for strict P/D (no DECODE_LOCAL);
+- ``one_way``: the same cluster with retention off (``kvloop_retain: false``): P/D without a return path, the
+  router still using each prefill engine's prefix cache;
+- ``aggregated``: one engine with its prefix cache on every core: the engine kvloop must match.
+
+A data-parallel fleet of aggregated engines behind a prefix-aware router is not here yet (kvloop's router
+places on P/D roles; an engine of role ``both`` is not yet placed as a whole replica).
+
+Workloads: ``agent`` (AIPerf's synthetic multi-turn chat: sessions sharing one system prompt, every turn the
+whole history) swept over concurrent sessions; ``trace`` (a Mooncake-format JSONL, scaled by
+:func:`scale_trace`) swept over replay speed. Per point: goodput (DistServe), the SLO attainment, TTFT,
+per-request ITL, chunk gaps and end-to-end p50/p95/p99 with n, throughput, each core's busy share from
+``/proc/stat``, the paths kvloop's router took, and the engines' queue stalls; per configuration the knees (the
+highest load with 90% and 99% of requests within the SLO).
+
+Health: a configuration whose point has errors or a request queued over ``STALL_S`` in an engine is unhealthy
+there; at its lowest load its time to first token is held against its engines' prefill time as in the
+multi-turn bench (under load, queueing is what is measured, so the factor check applies only where there is
+none). Ratios against ``aggregated`` are withheld where either side is unhealthy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from kvloop.benchmarks import aiperf
+from kvloop.benchmarks.aiperf import AgentLoad, Slo, TraceLoad
+from kvloop.benchmarks.load_stats import busy_share, cpu_times, knee, point_figures, ratio
+from kvloop.benchmarks.multiturn import BASELINE_EXTRA, BLOCK, Sizing, engine_config, engine_snapshot, start_config
+from kvloop.benchmarks.stats import STALL_S, health, markdown_table, show
+from kvloop.cluster import LocalCluster
+from kvloop.engine_set import EngineSet
+from kvloop.engines.config import default_work_dir, role_cores
+from kvloop.engines.model import ensure_tiny_model
+from kvloop.shared.http import metric_by_label, read_metrics
+
+CONFIGS = ("kvloop", "kvloop_pd", "one_way", "aggregated")
+BASELINE = "aggregated"
+
+
+def scale_trace(lines: list[str], *, length_scale: float, time_scale: float, seconds: float) -> list[str]:
+    """A Mooncake-format trace cut to its first ``seconds`` (of the original clock), lengths multiplied by
+    ``length_scale`` and timestamps by ``time_scale`` (3: three times slower). Hash ids are kept: with lengths
+    and block size scaled together (512 -> 128 at 0.25) every block keeps its id. Raises ``ValueError`` naming
+    the line that lacks a field."""
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        missing = {"timestamp", "input_length", "output_length", "hash_ids"} - set(row)
+        if missing:
+            raise ValueError(f"trace line {n}: missing {sorted(missing)}")
+        if row["timestamp"] > seconds * 1000:
+            continue
+        out.append(json.dumps({"timestamp": int(row["timestamp"] * time_scale),
+                               "input_length": max(1, math.ceil(row["input_length"] * length_scale)),
+                               "output_length": max(1, math.ceil(row["output_length"] * length_scale)),
+                               "hash_ids": row["hash_ids"]}))
+    return out
+
+
+def sizing(max_prompt: int, concurrency: int) -> Sizing:
+    """Every prefill engine has room for ``concurrency`` longest prompts; decode and aggregated engines vLLM's
+    default KV space."""
+    max_len = int(math.ceil((max_prompt + BLOCK) / BLOCK) * BLOCK)
+    one = max_len // BLOCK + 2
+    notes = {"max_model_len": max_len, "prefill_blocks": one * concurrency}
+    return Sizing(max_len, one * concurrency, None, 0.5, notes)
+
+
+async def start(name: str, model: Path, work: Path, size: Sizing, timeout_s: float
+                ) -> tuple[EngineSet, LocalCluster | None, str]:
+    """One configuration's engines (and cluster); the OpenAI URL the load goes to."""
+    if name == "one_way":
+        def configs(broker: str) -> list[Any]:
+            prefills = [engine_config(model, work, "prefill", i, connector="kvloop", broker=broker, size=size,
+                                      blocks=size.prefill_blocks, extra=BASELINE_EXTRA) for i in range(2)]
+            return [*prefills, engine_config(model, work, "decode", 2, connector="kvloop", broker=broker,
+                                             size=size, blocks=None, extra=BASELINE_EXTRA)]
+
+        cluster = await LocalCluster.start(configs, work, separate_broker=True, broker={"engine_ttl_s": 10.0},
+                                           router={"request_timeout_s": timeout_s})
+        engines: EngineSet = cluster.engines
+    else:
+        engines, maybe = await start_config("ideal" if name == BASELINE else name, model, work, size, timeout_s)
+        if maybe is None:
+            return engines, None, engines.by_id("both-0").url
+        cluster = maybe
+    assert cluster.router is not None
+    return engines, cluster, cluster.router.url
+
+
+def snapshot(urls: list[str], serving: list[str], router: str | None
+             ) -> tuple[dict[str, tuple[int, int]], dict[str, float], dict[str, float]]:
+    """Each core's jiffies, the engines' figures, and the router's turns by path (blocking: run in a thread)."""
+    paths = {} if router is None else metric_by_label(read_metrics(router), "kvloop_router_decisions_total",
+                                                       "decision")
+    return cpu_times(Path("/proc/stat").read_text()), engine_snapshot(urls, serving), paths
+
+
+async def run_point(name: str, load_value: float, url: str, router: str | None, engines: EngineSet,
+                    load: AgentLoad | TraceLoad, args: argparse.Namespace, model: Path, exe: Path,
+                    out_dir: Path) -> dict[str, Any]:
+    urls = [e.url for e in engines]
+    serving = [e.url for e in engines if e.plan.config.role != "decode"]
+    concurrency = int(load_value) if isinstance(load, AgentLoad) else args.trace_concurrency
+    argv = aiperf.command(exe, model=model.name, tokenizer=model, url=url, concurrency=concurrency, load=load,
+                          slo=args.slo, artifacts=out_dir, timeout_s=args.timeout_s)
+    before = await asyncio.to_thread(snapshot, urls, serving, router)
+    t0 = time.monotonic()
+    records = await asyncio.to_thread(aiperf.run, argv, out_dir, args.point_timeout_s)
+    seconds = time.monotonic() - t0
+    after = await asyncio.to_thread(snapshot, urls, serving, router)
+    figures = point_figures(records, args.slo)
+    eng = {k: after[1].get(k, 0.0) - before[1].get(k, 0.0) for k in after[1]}
+    paths = {k: int(v - before[2].get(k, 0.0)) for k, v in after[2].items() if v - before[2].get(k, 0.0) > 0}
+    figures.update(load=load_value, concurrency=concurrency, aiperf_seconds=round(seconds, 1),
+                   cores_busy=busy_share(before[0], after[0]), paths=paths,
+                   stalled_requests=int(eng.get("stalled", 0)),
+                   prefill_time_s=round(eng.get("vllm:request_prefill_time_seconds_sum", 0.0), 3),
+                   ttft_sum_s=round(sum(r.ttft_ms or 0.0 for r in records if not r.error) / 1e3, 3))
+    return figures
+
+
+def point_health(point: dict[str, Any], lowest: bool) -> dict[str, Any]:
+    if lowest:
+        h = health(errors=point["errors"], turns=point["requests"] - point["errors"],
+                   ttft_sum_s=point["ttft_sum_s"], prefill_sum_s=point["prefill_time_s"],
+                   stalled_requests=point["stalled_requests"])
+        return {"healthy": h.healthy, "reason": h.reason}
+    reasons = []
+    if point["errors"]:
+        reasons.append(f"{point['errors']} request(s) failed")
+    if point["stalled_requests"]:
+        reasons.append(f"{point['stalled_requests']} request(s) queued over {STALL_S:g} s in an engine")
+    return {"healthy": not reasons, "reason": "; ".join(reasons) or "no errors, no engine stall"}
+
+
+def loads_of(args: argparse.Namespace) -> list[float]:
+    return [float(v) for v in str(args.loads).split(",") if v]
+
+
+def load_for(args: argparse.Namespace, value: float, trace_file: Path | None) -> AgentLoad | TraceLoad:
+    if trace_file is not None:
+        return TraceLoad(trace_file.with_name(f"trace-x{value:g}.jsonl"), block_size=args.trace_block_size)
+    sessions = max(args.sessions_per_load * int(value), math.ceil(args.min_requests / args.turns))
+    return AgentLoad(sessions=sessions, turns=args.turns, system_tokens=args.system_tokens,
+                     user_tokens=args.user_tokens, answer_tokens=args.answer_tokens, think_ms=args.think_ms,
+                     seed=args.seed)
+
+
+def compare(configs: dict[str, Any]) -> dict[str, Any]:
+    """Per configuration and load: goodput, TTFT p99 and ITL p99 over the aggregated engine's, where both sides
+    are healthy."""
+    base = configs.get(BASELINE)
+    out: dict[str, Any] = {}
+    if base is None:
+        return out
+    base_points = {p["load"]: p for p in base["points"]}
+    for name, config in configs.items():
+        if name == BASELINE:
+            continue
+        for p in config["points"]:
+            b = base_points.get(p["load"])
+            if b is None:
+                continue
+            key = f"{name}_over_{BASELINE}@{p['load']:g}"
+            if not (p["health"]["healthy"] and b["health"]["healthy"]):
+                out[key] = {"withheld": f"{name}: {p['health']['reason']}; {BASELINE}: {b['health']['reason']}"}
+                continue
+            out[key] = {"goodput": ratio(p["goodput_rps"], b["goodput_rps"]),
+                        "ttft_p99": ratio(p["ttft_ms"]["p99"], b["ttft_ms"]["p99"]),
+                        "itl_p99": ratio(p["itl_ms"]["p99"], b["itl_ms"]["p99"])}
+    return out
+
+
+def table(configs: dict[str, Any]) -> str:
+    rows = []
+    for name, config in configs.items():
+        for p in config["points"]:
+            rows.append([name, f"{p['load']:g}", p["requests"], f"{p['goodput_rps']:.2f}",
+                         f"{p['slo_attainment']:.0%}", show(p["ttft_ms"], "p50"), show(p["ttft_ms"], "p99"),
+                         show(p["itl_ms"], "p50"), show(p["itl_ms"], "p99"), show(p["gap_ms"], "p99"),
+                         f"{p['throughput_rps']:.2f}", "/".join(f"{v:.2f}" for v in p["cores_busy"].values()),
+                         ",".join(f"{k}:{v}" for k, v in sorted(p["paths"].items())) or "-",
+                         "yes" if p["health"]["healthy"] else "NO"])
+    return markdown_table(["config", "load", "n", "goodput/s", "in SLO", "TTFT p50", "TTFT p99", "ITL p50",
+                           "ITL p99", "gap p99", "req/s", "cores busy", "paths", "healthy"], rows)
+
+
+def plot(configs: dict[str, Any], path: Path, xlabel: str) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for name, config in configs.items():
+        xs = [p["load"] for p in config["points"]]
+        for ax, (title, get) in zip(axes, (("goodput (req/s within the SLO)", lambda p: p["goodput_rps"]),
+                                           ("TTFT p99 (ms)", lambda p: p["ttft_ms"]["p99"]),
+                                           ("ITL p99 (ms)", lambda p: p["itl_ms"]["p99"])), strict=True):
+            ax.plot(xs, [get(p) for p in config["points"]], marker="o", label=name)
+            ax.set_title(title)
+            ax.set_xlabel(xlabel)
+            ax.grid(True, alpha=0.3)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return [str(path)]
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    started = time.monotonic()
+    model = await asyncio.to_thread(ensure_tiny_model, args.model)
+    work = (args.work_dir or default_work_dir() / "bench-load").absolute()
+    exe = await asyncio.to_thread(aiperf.ensure, args.aiperf_root or default_work_dir())
+    loads = loads_of(args)
+    trace_file = None
+    if args.trace:
+        lines = args.trace.read_text().splitlines()
+        for value in loads:  # one file per replay speed: timestamps divided by the speed
+            scaled = scale_trace(lines, length_scale=args.trace_length_scale, time_scale=args.trace_slow / value,
+                                 seconds=args.trace_seconds)
+            trace_file = work / "trace.jsonl"
+            trace_file.parent.mkdir(parents=True, exist_ok=True)
+            trace_file.with_name(f"trace-x{value:g}.jsonl").write_text("\n".join(scaled) + "\n")
+        rows = [json.loads(x) for x in scale_trace(lines, length_scale=args.trace_length_scale, time_scale=1.0,
+                                                    seconds=args.trace_seconds)]
+        max_prompt = max(r["input_length"] + r["output_length"] for r in rows)
+        concurrency = args.trace_concurrency
+    else:
+        max_prompt = load_for(args, max(loads), None).history_tokens()  # type: ignore[union-attr]
+        concurrency = int(max(loads))
+    size = sizing(max_prompt, concurrency)
+    configs: dict[str, Any] = {}
+    for name in [n for n in args.configs.split(",") if n]:
+        print(f"== {name}: engines starting", flush=True)
+        engines, cluster, url = await start(name, model, work / name, size, args.timeout_s)
+        router = cluster.router.url if cluster is not None and cluster.router is not None else None
+        points = []
+        try:
+            for i, value in enumerate(loads):
+                load = load_for(args, value, trace_file)
+                point = await run_point(name, value, url, router, engines, load, args, model, exe,
+                                        work / name / f"load-{value:g}")
+                point["health"] = point_health(point, lowest=i == 0)
+                points.append(point)
+                print(f"   {name} @ {value:g}: {point['requests']} requests, goodput {point['goodput_rps']:.2f}/s, "
+                      f"{point['slo_attainment']:.0%} in SLO, TTFT p50 {show(point['ttft_ms'], 'p50')} ms, "
+                      f"{'healthy' if point['health']['healthy'] else 'UNHEALTHY: ' + point['health']['reason']}",
+                      flush=True)
+        finally:
+            if cluster is not None:
+                await cluster.stop()
+            else:
+                await asyncio.to_thread(engines.stop)
+        by_load = {p["load"]: p for p in points}
+        configs[name] = {"points": points, "knee_90": knee(by_load, 0.90), "knee_99": knee(by_load, 0.99),
+                         "healthy": all(p["health"]["healthy"] for p in points)}
+    workload: dict[str, Any] = ({"kind": "trace", "file": str(args.trace), "length_scale": args.trace_length_scale,
+                                 "slowed": args.trace_slow, "seconds": args.trace_seconds,
+                                 "block_size": args.trace_block_size, "load_axis": "replay speed"}
+                                if args.trace else
+                                {"kind": "agent", **asdict(load_for(args, loads[0], None)),
+                                 "sessions_per_load": args.sessions_per_load, "load_axis": "concurrent sessions"})
+    result: dict[str, Any] = {
+              "configs": configs, "ratios": compare(configs), "markdown": table(configs), "workload": workload,
+              "slo": asdict(args.slo), "loads": loads, "aiperf": aiperf.VERSION, "sizing": size.notes,
+              "engines": {"cores": {"prefill": role_cores("prefill"), "decode": role_cores("decode"),
+                                    BASELINE: "auto"}, "one_way_connector": BASELINE_EXTRA},
+              "machine": {"cpus": len(os.sched_getaffinity(0)), "model": str(model)},
+              "wall_seconds": round(time.monotonic() - started, 1)}
+    if args.out:
+        result["plots"] = plot(configs, Path(args.out).with_suffix(".png"),
+                               "replay speed" if args.trace else "concurrent sessions")
+    print("\n" + result["markdown"])
+    print("\nagainst the aggregated engine: " + json.dumps(result["ratios"]))
+    return result
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", type=Path, default=None, help="model directory (default: the tiny model)")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated, from " + ",".join(CONFIGS))
+    parser.add_argument("--loads", default="4,8,16", help="concurrent sessions per point (agent), or replay speeds "
+                        "(trace: 1 = the trace's own pace after --trace-slow)")
+    parser.add_argument("--ttft-slo-ms", type=float, default=1000.0)
+    parser.add_argument("--itl-slo-ms", type=float, default=50.0, help="per-request mean inter-token latency")
+    parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--system-tokens", type=int, default=1500, help="the system prompt every session shares")
+    parser.add_argument("--user-tokens", type=int, default=200, help="new user tokens a turn")
+    parser.add_argument("--answer-tokens", type=int, default=64)
+    parser.add_argument("--think-ms", type=float, default=500.0, help="delay between a session's turns")
+    parser.add_argument("--sessions-per-load", type=int, default=2, help="sessions per point: this times the "
+                        "concurrency, at least enough for --min-requests")
+    parser.add_argument("--min-requests", type=int, default=100, help="requests per point (a p99 needs 100)")
+    parser.add_argument("--trace", type=Path, default=None, help="a Mooncake-format JSONL to replay instead")
+    parser.add_argument("--trace-length-scale", type=float, default=0.25)
+    parser.add_argument("--trace-block-size", type=int, default=128, help="the trace's block size after scaling")
+    parser.add_argument("--trace-slow", type=float, default=3.0, help="the trace's clock slowed this many times")
+    parser.add_argument("--trace-seconds", type=float, default=60.0, help="the first this many seconds of it")
+    parser.add_argument("--trace-concurrency", type=int, default=64, help="most requests in flight in a replay")
+    parser.add_argument("--timeout-s", type=float, default=120.0, help="a request's deadline")
+    parser.add_argument("--point-timeout-s", type=float, default=1200.0, help="one load point's deadline")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--aiperf-root", type=Path, default=None, help="where AIPerf's environment lives "
+                        "(default .kvloop/)")
+    parser.add_argument("--work-dir", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=None, help="write the figures here (JSON; plot beside it)")
+
+
+def validate(args: argparse.Namespace) -> str:
+    """The first bad argument, named; "" when all are good."""
+    unknown = [c for c in args.configs.split(",") if c and c not in CONFIGS]
+    if unknown or not [c for c in args.configs.split(",") if c]:
+        return f"--configs: unknown {unknown}; choose from {list(CONFIGS)}"
+    try:
+        loads = loads_of(args)
+    except ValueError:
+        return "--loads: comma-separated numbers"
+    if not loads or any(v <= 0 for v in loads) or loads != sorted(set(loads)):
+        return "--loads: positive, increasing, no repeats"
+    if not args.trace and any(v != int(v) for v in loads):
+        return "--loads: whole numbers of concurrent sessions"
+    if args.trace is not None and not args.trace.is_file():
+        return f"--trace: no file {args.trace}"
+    if args.ttft_slo_ms <= 0 or args.itl_slo_ms <= 0:
+        return "--ttft-slo-ms, --itl-slo-ms: must be positive"
+    if min(args.turns, args.system_tokens, args.user_tokens, args.answer_tokens, args.sessions_per_load,
+           args.min_requests) < 1:
+        return "--turns, --system-tokens, --user-tokens, --answer-tokens, --sessions-per-load, --min-requests: " \
+               "at least 1"
+    if args.think_ms < 0 or args.trace_length_scale <= 0 or args.trace_slow <= 0 or args.trace_seconds <= 0:
+        return "--think-ms at least 0; --trace-length-scale, --trace-slow, --trace-seconds positive"
+    return ""
+
+
+def main(args: argparse.Namespace) -> int:
+    problem = validate(args)
+    if problem:
+        print(f"kvloop bench load: {problem}", file=sys.stderr)
+        return 2
+    args.slo = Slo(ttft_ms=args.ttft_slo_ms, itl_ms=args.itl_slo_ms)
+    result = asyncio.run(bench(args))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1, default=str))
+        print(f"wrote {args.out}")
+    unhealthy = [n for n, c in result["configs"].items() if not c["healthy"]]
+    if unhealthy:
+        print(f"unhealthy: {', '.join(unhealthy)} (see each point's health)", file=sys.stderr)
+    return 0

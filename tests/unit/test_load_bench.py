@@ -1,0 +1,115 @@
+"""``kvloop bench load``'s pure pieces: AIPerf's command line and records, a point's figures, the knee, the cores'
+busy share, the trace scaling and the argument checks. The bench itself runs in ``tests/engines/test_load.py``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from kvloop.benchmarks import aiperf
+from kvloop.benchmarks.aiperf import AgentLoad, Request, Slo, TraceLoad
+from kvloop.benchmarks.load import add_arguments, compare, scale_trace, validate
+from kvloop.benchmarks.load_stats import busy_share, cpu_times, knee, meets, point_figures
+
+RECORD = {"metadata": {"conversation_id": "session_000001", "turn_index": 2, "request_start_ns": 1_000_000_000,
+                       "request_end_ns": 1_500_000_000},
+          "metrics": {"time_to_first_token": {"value": 120.5, "unit": "ms"},
+                      "inter_token_latency": {"value": 8.0, "unit": "ms"},
+                      "request_latency": {"value": 500.0, "unit": "ms"},
+                      "output_token_count": {"value": 16, "unit": "tokens"},
+                      "usage_prompt_tokens": {"value": 900, "unit": "tokens"},
+                      "usage_prompt_cache_read_tokens": {"value": 768, "unit": "tokens"},
+                      "inter_chunk_latency": {"value": [7.0, 9.0], "unit": "ms"}}}
+
+
+def request(ttft: float | None, itl: float | None, start_s: float, end_s: float, error: str = "") -> Request:
+    return Request("s", 0, int(start_s * 1e9), int(end_s * 1e9), ttft, itl, 1.0, 4, 10, 0, [1.0], error)
+
+
+def test_a_record_is_read_with_its_session_turn_and_figures() -> None:
+    (r,) = aiperf.read_records([json.dumps(RECORD), ""])
+    assert (r.session, r.turn, r.ttft_ms, r.itl_ms, r.e2e_ms) == ("session_000001", 2, 120.5, 8.0, 500.0)
+    assert (r.output_tokens, r.prompt_tokens, r.cached_tokens, r.gaps_ms, r.error) == (16, 900, 768, [7.0, 9.0], "")
+    failed = aiperf.parse_record(json.dumps({**RECORD, "metrics": {}, "error": {"code": 500, "message": "x"}}))
+    assert failed.ttft_ms is None and '"code": 500' in failed.error
+    with pytest.raises(ValueError, match="metadata"):
+        aiperf.parse_record(json.dumps({"metrics": {}}))
+
+
+def test_the_command_carries_the_slo_the_session_header_and_the_workload(tmp_path: Path) -> None:
+    slo = Slo(ttft_ms=800, itl_ms=40)
+    argv = aiperf.command(Path("/x/aiperf"), model="m", tokenizer=tmp_path, url="http://h:1", concurrency=8,
+                          load=AgentLoad(sessions=16, turns=4, system_tokens=1500), slo=slo, artifacts=tmp_path,
+                          timeout_s=60)
+    pairs = dict(zip(argv[2::2], argv[3::2], strict=False))
+    assert argv[:2] == ["/x/aiperf", "profile"] and "--streaming" in argv
+    assert "time_to_first_token:800 inter_token_latency:40" in argv and "x-session-id" in argv
+    assert argv[argv.index("--concurrency") + 1] == "8" and argv[argv.index("--conversation-num") + 1] == "16"
+    assert argv[argv.index("--shared-system-prompt-length") + 1] == "1500" and pairs
+    trace = aiperf.command(Path("a"), model="m", tokenizer=tmp_path, url="u", concurrency=64,
+                           load=TraceLoad(tmp_path / "t.jsonl", 128), slo=slo, artifacts=tmp_path, timeout_s=60)
+    assert "mooncake_trace" in trace and "--fixed-schedule" in trace and "--conversation-num" not in trace
+    assert trace[trace.index("--isl-block-size") + 1] == "128"
+
+
+def test_goodput_counts_requests_within_every_target_per_second_of_wall_time() -> None:
+    slo = Slo(ttft_ms=100, itl_ms=10)
+    reqs = [request(50, 5, 0.0, 1.0), request(150, 5, 0.5, 2.0), request(50, 20, 1.0, 3.0),
+            request(None, None, 1.0, 4.0, error="boom")]
+    assert [meets(r, slo) for r in reqs] == [True, False, False, False]
+    fig = point_figures(reqs, slo)
+    assert fig["requests"] == 4 and fig["errors"] == 1 and fig["wall_s"] == 4.0
+    assert fig["goodput_rps"] == 0.25 and fig["throughput_rps"] == 0.75 and fig["slo_attainment"] == 0.25
+    assert fig["ttft_ms"]["n"] == 3 and fig["ttft_ms"]["p99"] is None  # 3 samples cannot give a p99
+    assert fig["error_samples"] == ["boom"] and point_figures([], slo)["goodput_rps"] == 0.0
+
+
+def test_the_knee_is_the_highest_load_with_every_lower_load_within_the_fraction() -> None:
+    points = {4: {"slo_attainment": 1.0}, 8: {"slo_attainment": 0.95}, 16: {"slo_attainment": 0.5},
+              32: {"slo_attainment": 0.99}}
+    assert knee(points, 0.90) == 8 and knee(points, 0.99) == 4
+    assert knee({4: {"slo_attainment": 0.2}}, 0.9) is None
+
+
+def test_busy_share_per_core_from_proc_stat() -> None:
+    before = cpu_times("cpu  10 0 10 80 0 0 0 0\ncpu0 5 0 5 40 0 0 0 0\ncpu1 5 0 5 40 0 0 0 0\nintr 1 2\n")
+    after = cpu_times("cpu  0\ncpu0 50 0 5 45 0 0 0 0\ncpu1 5 0 5 130 10 0 0 0\n")
+    assert set(before) == {"cpu0", "cpu1"}
+    assert busy_share(before, after) == {"cpu0": 0.9, "cpu1": 0.0}  # iowait is not busy
+
+
+def test_a_trace_is_cut_scaled_and_keeps_its_hash_ids() -> None:
+    lines = [json.dumps({"timestamp": t, "input_length": 1000, "output_length": 10, "hash_ids": [1, 2]})
+             for t in (0, 30_000, 90_000)]
+    out = [json.loads(x) for x in scale_trace(lines, length_scale=0.25, time_scale=3.0, seconds=60)]
+    assert [r["timestamp"] for r in out] == [0, 90_000]
+    assert out[0] == {"timestamp": 0, "input_length": 250, "output_length": 3, "hash_ids": [1, 2]}
+    with pytest.raises(ValueError, match="line 1: missing"):
+        scale_trace(['{"timestamp": 0}'], length_scale=1, time_scale=1, seconds=1)
+
+
+def test_ratios_against_the_aggregated_engine_are_withheld_where_a_side_is_unhealthy() -> None:
+    def point(load: float, goodput: float, healthy: bool) -> dict[str, object]:
+        return {"load": load, "goodput_rps": goodput, "ttft_ms": {"p99": 200.0}, "itl_ms": {"p99": 20.0},
+                "health": {"healthy": healthy, "reason": "ok" if healthy else "2 request(s) failed"}}
+
+    configs = {"aggregated": {"points": [point(4, 2.0, True), point(8, 4.0, True)]},
+               "kvloop": {"points": [point(4, 1.8, True), point(8, 5.0, False)]}}
+    out = compare(configs)
+    assert out["kvloop_over_aggregated@4"] == {"goodput": 0.9, "ttft_p99": 1.0, "itl_p99": 1.0}
+    assert "failed" in out["kvloop_over_aggregated@8"]["withheld"]
+
+
+@pytest.mark.parametrize(("argv", "field"), [
+    (["--configs", "kvloop,nope"], "--configs"), (["--loads", "8,4"], "--loads"), (["--loads", "x"], "--loads"),
+    (["--loads", "1.5"], "--loads"), (["--ttft-slo-ms", "0"], "--ttft-slo-ms"), (["--turns", "0"], "--turns"),
+    (["--trace", "/no/such/file"], "--trace"),
+])
+def test_bad_arguments_are_named(argv: list[str], field: str) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert validate(parser.parse_args(argv)).startswith(field)
+    assert validate(parser.parse_args([])) == ""
