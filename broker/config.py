@@ -89,9 +89,13 @@ class BrokerConfig(ServiceConfig):
         "DECODE_LOCAL only for an uncached tail of at most this many tokens")
     decode_local_max_share: float = setting(_policy("decode_local_max_share"),
         "DECODE_LOCAL only when the tail is at most this share of the prompt")
+    decode_local_stall_budget_s: float = setting(_policy("decode_local_stall_budget_s"),
+        "DECODE_LOCAL only while the tail's compute time times the decode engine's streams is at most this many "
+        "stream-seconds, none queued (the busy veto: a tail never holds up the streams for more)")
     decode_local_max_running: int = setting(_policy("decode_local_max_running"),
-        "DECODE_LOCAL only while the decode engine runs fewer requests than this and queues none (so long "
-        "prefills never stall its streams)")
+        "DECODE_LOCAL only while the decode engine runs fewer requests than this (a cap on top of the budget)")
+    decode_stall_weight: float = setting(_policy("decode_stall_weight"),
+        "cost model: DECODE_LOCAL's price per stream-second its tail holds up the decode engine's streams")
     in_flight_ttl_s: float = setting(_policy("in_flight_ttl_s"), "a router's counts of its requests in flight "
                                      "stand for this long after its last placement (they price load and veto)")
     tick_interval_s: float = setting(0.25, "how often leases, pins and engines are checked for expiry")
@@ -150,7 +154,8 @@ class BrokerConfig(ServiceConfig):
         # 34 bytes a key on the wire: a batch over max_message_bytes is refused by gRPC itself.
         self._require(1 <= self.max_cache_event_keys <= 65536, "max_cache_event_keys", "must be within 1..65536")
         for name in ("threshold_tokens", "transfer_overhead_s", "sticky_load_gap", "shutdown_grace_s", "pd_hop_s",
-                     "queue_penalty_s", "decode_local_max_tokens"):
+                     "queue_penalty_s", "decode_local_max_tokens", "decode_local_stall_budget_s",
+                     "decode_stall_weight"):
             self._require(getattr(self, name) >= 0, name, "must not be negative")
         self._require(0 < self.decode_local_max_share <= 1, "decode_local_max_share", "must be in (0, 1]")
         self._require(self.decode_local_max_running >= 1, "decode_local_max_running", "must be at least 1")

@@ -117,6 +117,7 @@ def cost_to_pb(cost: CostEstimate) -> pb.CostEstimate:
         prefill_tokens_per_s=cost.prefill_tokens_per_s, bytes_per_block=cost.bytes_per_block,
         measured=cost.measured, decode_local_s=cost.decode_local_s, prefill_local_s=cost.prefill_local_s,
         transfer_path_s=cost.transfer_path_s, recompute_path_s=cost.recompute_path_s,
+        prefill_queue_s=cost.prefill_queue_s, decode_stall_s=cost.decode_stall_s,
     )
 
 

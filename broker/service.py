@@ -183,8 +183,8 @@ class BrokerService(broker_pb2_grpc.KVBrokerServicer):
                                  layout_fingerprint=request.layout_fingerprint, block_size=request.block_size,
                                  session_id=request.session_id, decode_local=not request.no_decode_local)
         if request.counts_in_flight:
-            router, counts = _router_name(request), dict(request.in_flight)
-            self.runtime.volatile(lambda s, now: s.report_in_flight(router, counts, now))
+            router, counts, tokens = _router_name(request), dict(request.in_flight), dict(request.in_flight_tokens)
+            self.runtime.volatile(lambda s, now: s.report_in_flight(router, counts, now, tokens))
         plan = self.runtime.read(lambda s, now: s.place(place_input, now))
         pin = None
         if request.pin and plan.decision is Decision.TRANSFER:

@@ -102,6 +102,7 @@ class Placer:
                                   no_decode_local=not self.config.decode_local,
                                   traceparent=carrier.get("traceparent", ""),
                                   in_flight=self.in_flight.snapshot(), counts_in_flight=True,
+                                  in_flight_tokens=self.in_flight.tokens(),
                                   router_id=self.router_id)
         plan, cause = await self.place_once(request)
         wait_ms = 0.0

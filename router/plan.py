@@ -71,6 +71,11 @@ class TurnPlan:
         return self.path == Path.DECODE_LOCAL
 
     @property
+    def compute_tokens(self) -> int:
+        """The prompt tokens the serving engine computes as planned: all but those it holds or pulls."""
+        return max(0, self.prompt_tokens - self.local_tokens - self.pull_tokens)
+
+    @property
     def endpoint(self) -> str:
         return "/v1/chat/completions" if self.kind == "chat" else "/v1/completions"
 

@@ -170,7 +170,8 @@ class TurnRunner:
         async def call(engine: EngineInfo, attempt: int) -> dict[str, Any]:
             if attempt:
                 request["kv_transfer_params"] = prefill_only_params()  # no pull on a retry
-            with self.placer.in_flight.track(engine.engine_id):
+            tokens = plan.prompt_tokens if attempt else plan.compute_tokens
+            with self.placer.in_flight.track(engine.engine_id, tokens):
                 return await self.engines.post(engine, plan.endpoint, request)
 
         def failed(engine: EngineInfo, error: str) -> None:
@@ -209,8 +210,10 @@ class TurnRunner:
                                                                 retry=attempt > 0)
             if attempt and ledger.started:
                 ledger.resume()
+            # A DECODE_LOCAL tail is the decode engine's to compute until its first bytes arrive.
+            tail = turn.plan.compute_tokens if turn.plan.decode_local and not attempt else 0
             try:
-                with self.placer.in_flight.track(engine.engine_id):
+                with self.placer.in_flight.track(engine.engine_id, tail) as computed:
                     async with self.http.post(f"{engine.http}{turn.plan.endpoint}", json=request,
                                               headers=self.engines.headers(turn.span),
                                               timeout=self.engines.timeout()) as reply:
@@ -221,6 +224,7 @@ class TurnRunner:
                             continue
                         turn.outcome.decode = engine
                         async for line in reply.content:
+                            computed()
                             if not resumable:
                                 ledger.chunks += 1  # only that the client has had something
                                 yield line

@@ -6,11 +6,11 @@ exactly what they have in flight, at the moment they ask. Each ``Place`` may car
 book keeps every router's latest counts and sums them per engine.
 
 Contract:
-- ``report(router, counts, now)`` replaces that router's counts (an engine it leaves out has none of its
-  requests in flight).
+- ``report(router, counts, now, tokens)`` replaces that router's counts: requests in flight per engine, and the
+  prompt tokens of those the engine has not computed yet (an engine it leaves out has none).
 - ``totals(now)`` sums, per engine id, the counts of the routers that reported within ``ttl_s``; ``None`` when
   no router has (then placement falls back to the sidecars' reports, e.g. a caller of ``Place`` that counts
-  nothing, such as the benchmarks' drivers).
+  nothing, such as the benchmarks' drivers). ``token_totals(now)`` does the same for the tokens.
 - A router that stops placing stops counting after ``ttl_s``: its last counts can only be as stale as that.
 
 In memory only, never persisted (a new leader starts empty and learns from the next ``Place`` of each router).
@@ -19,8 +19,15 @@ Tested in ``tests/unit/test_in_flight.py``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class _Report:
+    seen: float
+    counts: dict[str, int]
+    tokens: dict[str, int]
 
 
 @dataclass
@@ -28,16 +35,18 @@ class InFlight:
     ttl_s: float = 10.0
     max_routers: int = 1024
     """Most routers kept; the one reported longest ago goes first (bounds memory against a flood of ids)."""
-    _routers: dict[str, tuple[float, dict[str, int]]] = field(default_factory=dict)
+    _routers: dict[str, _Report] = field(default_factory=dict)
 
-    def report(self, router: str, counts: Mapping[str, int], now: float) -> None:
+    def report(self, router: str, counts: Mapping[str, int], now: float,
+               tokens: Mapping[str, int] | None = None) -> None:
         self._routers.pop(router, None)
-        self._routers[router] = (now, {e: int(n) for e, n in counts.items() if n > 0})
+        self._routers[router] = _Report(now, {e: int(n) for e, n in counts.items() if n > 0},
+                                        {e: int(n) for e, n in (tokens or {}).items() if n > 0})
         while len(self._routers) > self.max_routers:
             del self._routers[next(iter(self._routers))]
 
-    def totals(self, now: float) -> dict[str, int] | None:
-        fresh = [counts for seen, counts in self._routers.values() if now - seen <= self.ttl_s]
+    def _sum(self, now: float, which: Callable[[_Report], dict[str, int]]) -> dict[str, int] | None:
+        fresh = [which(r) for r in self._routers.values() if now - r.seen <= self.ttl_s]
         if not fresh:
             return None
         totals: dict[str, int] = {}
@@ -46,5 +55,11 @@ class InFlight:
                 totals[engine_id] = totals.get(engine_id, 0) + n
         return totals
 
+    def totals(self, now: float) -> dict[str, int] | None:
+        return self._sum(now, lambda r: r.counts)
+
+    def token_totals(self, now: float) -> dict[str, int] | None:
+        return self._sum(now, lambda r: r.tokens)
+
     def routers(self, now: float) -> int:
-        return sum(1 for seen, _ in self._routers.values() if now - seen <= self.ttl_s)
+        return sum(1 for r in self._routers.values() if now - r.seen <= self.ttl_s)

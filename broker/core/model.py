@@ -69,6 +69,10 @@ class EngineLoad:
     prefill_tokens_per_s: float = 0.0
     transfer_bytes_per_s: float = 0.0
     bytes_per_block: int = 0
+    queued_prefill_tokens: int | None = None
+    """Prompt tokens the routers have sent this engine and it has not computed yet (prefills not answered,
+    DECODE_LOCAL tails before their first token); None where no router counts them (placement then prices a
+    flat penalty per request). Never reported by the engine: set from the routers' counts at placement."""
 
     @property
     def score(self) -> float:
@@ -141,6 +145,10 @@ class CostEstimate:
     prefill_local_s: float = 0.0
     transfer_path_s: float = 0.0
     recompute_path_s: float = 0.0
+    prefill_queue_s: float = 0.0
+    """The wait priced for the chosen engine's queue before it starts this prompt."""
+    decode_stall_s: float = 0.0
+    """DECODE_LOCAL's price for holding up the decode engine's streams (in ``decode_local_s``; 0: none)."""
 
 
 @dataclass(frozen=True, slots=True)

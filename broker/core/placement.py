@@ -5,9 +5,10 @@ reported figures. One cost model prices every possible path in estimated seconds
 
 - **DECODE_LOCAL** (conditional disaggregation): the decode engine that holds the prefix computes the tail
   itself: tail tokens / its prefill rate. No prefill request, no pull, no P/D hop. Allowed only while the tail
-  is short (``decode_local_max_tokens``), a small share of the prompt (``decode_local_max_share``) and the
-  decode engine is not busy (``decode_local_max_running``): a long prefill on a decode engine stalls every
-  stream it is decoding, which is the price this rule bounds. ``decode_local=False`` gives strict P/D.
+  is short (``decode_local_max_tokens``), a small share of the prompt (``decode_local_max_share``) and its
+  stall of the decode engine's streams is within budget: the tail's compute time, times the streams it holds
+  up, at most ``decode_local_stall_budget_s`` (the busy veto), and none queued. Inside the budget the stall is
+  still priced: ``decode_stall_weight`` per stream-second. ``decode_local=False`` gives strict P/D.
 - **PREFILL_LOCAL**: a prefill engine's own cache (a lease or its prefix cache) holds the prefix: the P/D hop
   plus its tail.
 - **TRANSFER**: the P/D hop, plus a pull of the blocks beyond the prefill engine's own prefix from the lease
@@ -15,7 +16,10 @@ reported figures. One cost model prices every possible path in estimated seconds
 - **RECOMPUTE**: the P/D hop plus the whole prompt.
 
 Each prefill engine is priced with its own cached prefix and queue, so the chosen one is the one that minimises
-pull plus compute, not merely the least loaded. A prefix under ``threshold_tokens`` is not worth reusing.
+pull plus compute, not merely the least loaded. The queue is the prompt tokens the routers have sent an engine
+that it has not computed yet, at its rate (``EngineLoad.queued_prefill_tokens``); where no router counts them,
+a flat ``queue_penalty_s`` per request stands in. A prefix under ``threshold_tokens`` is not worth reusing.
+Tested in ``tests/unit/test_core_state.py`` (placement) and ``tests/unit/test_core_properties.py``.
 """
 
 from __future__ import annotations
@@ -47,15 +51,20 @@ class PlacementPolicy:
     """Fixed cost of the disaggregated hop: the prefill request's round trip, the decode's read of the new
     blocks and its first step (the benchmark's prefill_http + decode_first on this machine: ~25 + ~55 ms)."""
     queue_penalty_s: float = 0.05
-    """Estimated wait per request already running or queued on a prefill engine."""
+    """Estimated wait per request running or queued on an engine, where no router counts its queued tokens."""
     decode_local: bool = True
     """Allow DECODE_LOCAL at all (off: strict disaggregation)."""
     decode_local_max_tokens: int = 512
     """DECODE_LOCAL only when the uncached tail is at most this many tokens."""
     decode_local_max_share: float = 0.5
     """... and at most this share of the prompt."""
-    decode_local_max_running: int = 8
-    """... and the decode engine runs fewer requests than this and queues none (the busy veto)."""
+    decode_local_stall_budget_s: float = 0.5
+    """... and the tail's compute time on the decode engine, times the streams it is decoding, is at most this
+    many stream-seconds, with none queued (the busy veto)."""
+    decode_local_max_running: int = 64
+    """... and the decode engine runs fewer requests than this (a cap on top of the budget)."""
+    decode_stall_weight: float = 0.25
+    """DECODE_LOCAL's price per stream-second its tail holds up the decode engine's streams (0: its own time)."""
     in_flight_ttl_s: float = 10.0
     """A router's counts of its requests in flight stand for this long after its last Place (see .in_flight)."""
 
@@ -177,9 +186,16 @@ def place(
     if candidate is not None and candidate.load.score - decode.load.score <= policy.sticky_load_gap:
         decode, sticky = candidate, True
 
+    def queue_s(engine: EngineRecord, flat: bool = True) -> float:
+        """The wait before ``engine`` starts a new prompt: its queued tokens at its rate; else (``flat``) the
+        flat penalty per request."""
+        queued = engine.load.queued_prefill_tokens
+        if queued is not None:
+            return queued / _tps(engine, policy, fleet)[0]
+        return engine.load.score * policy.queue_penalty_s if flat else 0.0
+
     def hop(engine: EngineRecord, compute_tokens: int) -> float:
-        return (policy.pd_hop_s + engine.load.score * policy.queue_penalty_s
-                + compute_tokens / _tps(engine, policy, fleet)[0])
+        return policy.pd_hop_s + queue_s(engine) + compute_tokens / _tps(engine, policy, fleet)[0]
 
     options: list[_Option] = []
     for p in prefills:
@@ -193,21 +209,28 @@ def place(
             seconds = hop(p, request.num_tokens - matched * bs) + pull.transfer_s
             options.append(_Option(seconds, Decision.TRANSFER, p, own, matched, pull))
     veto: Veto | str = ""
+    stall_s = 0.0
     decode_own = local(decode) if decode.info.role.can_decode else 0
     if decode_own:
         tail = request.num_tokens - decode_own * bs
         d_load = decode.load
+        tail_s = tail / _tps(decode, policy, fleet)[0]
+        streams = d_load.running_requests
         if not (policy.decode_local and request.decode_local):
             veto = Veto.DISABLED
         elif tail > policy.decode_local_max_tokens:
             veto = Veto.TAIL_TOKENS
         elif tail > policy.decode_local_max_share * request.num_tokens:
             veto = Veto.TAIL_SHARE
-        elif d_load.waiting_requests > 0 or d_load.running_requests >= policy.decode_local_max_running:
+        elif (d_load.waiting_requests > 0 or streams >= policy.decode_local_max_running
+              or streams * tail_s > policy.decode_local_stall_budget_s):
             veto = Veto.DECODE_BUSY
         else:
-            options.append(_Option(tail / _tps(decode, policy, fleet)[0], Decision.DECODE_LOCAL, decode, decode_own,
-                                   decode_own))
+            # Its own wait and compute (the decode engine's queued tails: no flat penalty, its running requests
+            # are streams, priced as the stall instead), plus what the tail costs the streams it holds up.
+            stall_s = policy.decode_stall_weight * streams * tail_s
+            options.append(_Option(queue_s(decode, flat=False) + tail_s + stall_s, Decision.DECODE_LOCAL, decode,
+                                   decode_own, decode_own))
     rank = {Decision.DECODE_LOCAL: 0, Decision.PREFILL_LOCAL: 1, Decision.TRANSFER: 2, Decision.RECOMPUTE: 3}
     best = min(options, key=lambda o: (o.seconds, rank[o.decision], o.prefill.load.score, o.prefill.info.engine_id))
     if veto == "" and decode_own and best.decision is not Decision.DECODE_LOCAL:
@@ -227,7 +250,9 @@ def place(
                         decode_local_s=cheapest(Decision.DECODE_LOCAL),
                         prefill_local_s=cheapest(Decision.PREFILL_LOCAL),
                         transfer_path_s=cheapest(Decision.TRANSFER),
-                        recompute_path_s=cheapest(Decision.RECOMPUTE))
+                        recompute_path_s=cheapest(Decision.RECOMPUTE),
+                        prefill_queue_s=queue_s(best.prefill, flat=best.decision is not Decision.DECODE_LOCAL),
+                        decode_stall_s=stall_s)
     reason = {
         Decision.DECODE_LOCAL: Reason.SHORT_TAIL_ON_DECODE,
         Decision.PREFILL_LOCAL: Reason.LOCAL_PREFIX,

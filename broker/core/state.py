@@ -555,19 +555,31 @@ class BrokerState:
         return place(request, self.engines_as_placed(now), matches, self.placement_policy, session_engine,
                      cached=self.cached_prefixes(request))
 
-    def report_in_flight(self, router: str, counts: Mapping[str, int], now: float) -> None:
-        """A router's requests in flight per engine id, at ``now`` (see :mod:`.in_flight`)."""
+    def report_in_flight(self, router: str, counts: Mapping[str, int], now: float,
+                         tokens: Mapping[str, int] | None = None) -> None:
+        """A router's requests in flight per engine id, and their prompt tokens not computed yet, at ``now`` (see
+        :mod:`.in_flight`). Raises ``InvalidArgument`` naming ``in_flight_tokens`` for a count over
+        ``Limits.max_block_keys`` blocks' worth of tokens of the largest block size (no prompt is longer)."""
         _check_id(router, "router_id", self.limits.max_id_len)
-        self.in_flight.report(router, {e: n for e, n in counts.items() if e in self.engines}, now)
+        most = self.limits.max_block_keys * 1024
+        for engine_id, n in (tokens or {}).items():
+            if n > most:
+                raise InvalidArgument(f"in_flight_tokens[{engine_id!r}]: {n} tokens in flight exceed {most}",
+                                      field="in_flight_tokens")
+        self.in_flight.report(router, {e: n for e, n in counts.items() if e in self.engines}, now,
+                              {e: n for e, n in (tokens or {}).items() if e in self.engines})
 
     def engines_as_placed(self, now: float) -> list[EngineRecord]:
         """The live engines with the load placement prices: where routers count their requests in flight, those
-        counts replace the sidecars' (older) running and waiting figures; KV usage, pressure and rates stay."""
+        counts replace the sidecars' (older) running and waiting figures, and their tokens not yet computed are
+        the engines' queues; KV usage, pressure and rates stay."""
         totals = self.in_flight.totals(now)
         if totals is None:
             return list(self.engines.values())
+        tokens = self.in_flight.token_totals(now) or {}
         return [dataclasses.replace(rec, load=dataclasses.replace(
-                    rec.load, running_requests=totals.get(engine_id, 0), waiting_requests=0))
+                    rec.load, running_requests=totals.get(engine_id, 0), waiting_requests=0,
+                    queued_prefill_tokens=tokens.get(engine_id, 0)))
                 for engine_id, rec in self.engines.items()]
 
     def cached_prefixes(self, request: PlaceInput) -> dict[str, int]:

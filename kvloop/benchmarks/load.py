@@ -7,8 +7,9 @@ Configurations (``--configs``), on the same engine settings as ``kvloop bench mu
 - ``kvloop``: ``kvloop up``'s topology (2 prefill engines on the first half of the cores, 1 decode engine on
   the second), broker and router;
 - ``kvloop_pd``: the same, the router asking for strict P/D (no DECODE_LOCAL);
-- ``one_way``: the same cluster with retention off (``kvloop_retain: false``): P/D without a return path, the
-  router still using each prefill engine's prefix cache;
+- ``one_way``: the same cluster with retention off (``kvloop_retain: false``) and the router asking for strict
+  P/D: without a return path, nothing computed on the decode engine (its prefix cache would otherwise still
+  serve DECODE_LOCAL turns), the router still using each prefill engine's prefix cache;
 - ``aggregated``: one engine with its prefix cache on every core: the engine kvloop must match.
 
 A data-parallel fleet of aggregated engines behind a prefix-aware router is not here yet (kvloop's router
@@ -97,7 +98,7 @@ async def start(name: str, model: Path, work: Path, size: Sizing, timeout_s: flo
                                              size=size, blocks=None, extra=BASELINE_EXTRA)]
 
         cluster = await LocalCluster.start(configs, work, separate_broker=True, broker={"engine_ttl_s": 10.0},
-                                           router={"request_timeout_s": timeout_s})
+                                           router={"request_timeout_s": timeout_s, "decode_local": False})
         engines: EngineSet = cluster.engines
     else:
         engines, maybe = await start_config("ideal" if name == BASELINE else name, model, work, size, timeout_s)

@@ -239,4 +239,5 @@ def plan_attributes(plan: Any) -> dict[str, Any]:
             "kvloop.cost.transfer_s": cost.transfer_s, "kvloop.cost.recompute_s": cost.recompute_s,
             "kvloop.cost.measured": cost.measured, "kvloop.cost.decode_local_s": cost.decode_local_s,
             "kvloop.cost.prefill_local_s": cost.prefill_local_s, "kvloop.cost.transfer_path_s": cost.transfer_path_s,
-            "kvloop.cost.recompute_path_s": cost.recompute_path_s}
+            "kvloop.cost.recompute_path_s": cost.recompute_path_s,
+            "kvloop.cost.prefill_queue_s": cost.prefill_queue_s, "kvloop.cost.decode_stall_s": cost.decode_stall_s}

@@ -281,8 +281,15 @@ class CompleteTransferResponse(_message.Message):
     def __init__(self, lease_expires_at_unix: _Optional[float] = ...) -> None: ...
 
 class PlaceRequest(_message.Message):
-    __slots__ = ("session_id", "block_keys", "num_tokens", "layout_fingerprint", "block_size", "pin", "traceparent", "no_decode_local", "in_flight", "counts_in_flight", "router_id")
+    __slots__ = ("session_id", "block_keys", "num_tokens", "layout_fingerprint", "block_size", "pin", "traceparent", "no_decode_local", "in_flight", "counts_in_flight", "router_id", "in_flight_tokens")
     class InFlightEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class InFlightTokensEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -300,6 +307,7 @@ class PlaceRequest(_message.Message):
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     COUNTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     block_keys: _containers.RepeatedScalarFieldContainer[bytes]
     num_tokens: int
@@ -311,10 +319,11 @@ class PlaceRequest(_message.Message):
     in_flight: _containers.ScalarMap[str, int]
     counts_in_flight: bool
     router_id: str
-    def __init__(self, session_id: _Optional[str] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., pin: _Optional[bool] = ..., traceparent: _Optional[str] = ..., no_decode_local: _Optional[bool] = ..., in_flight: _Optional[_Mapping[str, int]] = ..., counts_in_flight: _Optional[bool] = ..., router_id: _Optional[str] = ...) -> None: ...
+    in_flight_tokens: _containers.ScalarMap[str, int]
+    def __init__(self, session_id: _Optional[str] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., pin: _Optional[bool] = ..., traceparent: _Optional[str] = ..., no_decode_local: _Optional[bool] = ..., in_flight: _Optional[_Mapping[str, int]] = ..., counts_in_flight: _Optional[bool] = ..., router_id: _Optional[str] = ..., in_flight_tokens: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class CostEstimate(_message.Message):
-    __slots__ = ("transfer_s", "recompute_s", "bandwidth_bytes_per_s", "prefill_tokens_per_s", "bytes_per_block", "measured", "decode_local_s", "prefill_local_s", "transfer_path_s", "recompute_path_s")
+    __slots__ = ("transfer_s", "recompute_s", "bandwidth_bytes_per_s", "prefill_tokens_per_s", "bytes_per_block", "measured", "decode_local_s", "prefill_local_s", "transfer_path_s", "recompute_path_s", "prefill_queue_s", "decode_stall_s")
     TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
@@ -325,6 +334,8 @@ class CostEstimate(_message.Message):
     PREFILL_LOCAL_S_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_PATH_S_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_PATH_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STALL_S_FIELD_NUMBER: _ClassVar[int]
     transfer_s: float
     recompute_s: float
     bandwidth_bytes_per_s: float
@@ -335,7 +346,9 @@ class CostEstimate(_message.Message):
     prefill_local_s: float
     transfer_path_s: float
     recompute_path_s: float
-    def __init__(self, transfer_s: _Optional[float] = ..., recompute_s: _Optional[float] = ..., bandwidth_bytes_per_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., bytes_per_block: _Optional[int] = ..., measured: _Optional[bool] = ..., decode_local_s: _Optional[float] = ..., prefill_local_s: _Optional[float] = ..., transfer_path_s: _Optional[float] = ..., recompute_path_s: _Optional[float] = ...) -> None: ...
+    prefill_queue_s: float
+    decode_stall_s: float
+    def __init__(self, transfer_s: _Optional[float] = ..., recompute_s: _Optional[float] = ..., bandwidth_bytes_per_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., bytes_per_block: _Optional[int] = ..., measured: _Optional[bool] = ..., decode_local_s: _Optional[float] = ..., prefill_local_s: _Optional[float] = ..., transfer_path_s: _Optional[float] = ..., recompute_path_s: _Optional[float] = ..., prefill_queue_s: _Optional[float] = ..., decode_stall_s: _Optional[float] = ...) -> None: ...
 
 class Plan(_message.Message):
     __slots__ = ("decision", "reason", "source_engine_id", "source_addresses", "source_lease_id", "source_block_ids", "matched_blocks", "matched_tokens", "recompute_tokens", "prompt_blocks", "threshold_tokens", "cost", "prefill_engine_id", "prefill_addresses", "decode_engine_id", "decode_addresses", "decode_sticky", "session_id", "candidates", "error", "pin", "local_tokens", "pull_tokens", "decode_local_veto", "cached_tokens_seen", "error_code")

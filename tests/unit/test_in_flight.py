@@ -83,7 +83,9 @@ def test_a_stale_busy_report_no_longer_vetoes_once_the_router_counts_the_engine_
     assert _place(state, tokens, now=2.0) == (Decision.TRANSFER, "decode_busy")  # the report alone: vetoed
     state.report_in_flight("router", {}, now=2.0)
     assert _place(state, tokens, now=2.0) == (Decision.DECODE_LOCAL, "")
-    state.report_in_flight("router", {"d": 8}, now=3.0)  # the router's own streams: really busy
+    # The router's own streams: 30 of them, each held up by the 100-token tail's 20 ms (the default 5,000
+    # tokens/s), 0.6 stream-seconds over the 0.5 s budget: really busy.
+    state.report_in_flight("router", {"d": 30}, now=3.0)
     assert _place(state, tokens, now=3.0) == (Decision.TRANSFER, "decode_busy")
     # Past the TTL the router's counts stand for nothing: the sidecars' reports are back.
     assert _place(state, tokens, now=3.0 + state.placement_policy.in_flight_ttl_s + 1) == (Decision.TRANSFER,
@@ -118,3 +120,49 @@ def test_the_routers_counter_counts_while_a_request_runs_even_when_it_fails() ->
         assert counts.snapshot() == {"p": 1}
         raise RuntimeError("engine failed")
     assert counts.snapshot() == {} and counts["p"] == 0
+
+
+def test_the_busy_veto_follows_from_the_stall_budget_not_a_count() -> None:
+    """Ten streams: a 100-token tail holds them up 10 x 20 ms, inside the 0.5 s budget; a 400-token tail
+    10 x 80 ms, over it."""
+    state = _state()
+    tokens = _retained_turn(state)
+    state.report_in_flight("router", {"d": 10}, now=2.0)
+    assert _place(state, tokens, now=2.0) == (Decision.DECODE_LOCAL, "")
+    plan = state.place(PlaceInput(block_keys(tokens, BS, ExtraKeys(FP)), len(tokens), FP, BS, "s"), 2.0)
+    assert plan.cost.decode_stall_s == pytest.approx(0.25 * 10 * 100 / 5000)  # priced, inside the budget
+    assert _place(state, [*tokens, *range(300)], now=2.0) == (Decision.TRANSFER, "decode_busy")
+
+
+def test_queued_tokens_price_the_wait_and_spread_long_tails_over_the_prefill_engines() -> None:
+    """p holds the prefix in its cache and would prefill locally; 20,000 tokens queued there (4 s at 5,000/s)
+    make the idle p2, which must compute the whole prompt (40 blocks, 0.13 s), the cheaper engine."""
+    state = _state()
+    state.register(EngineInfo("p2", Role.PREFILL, BS, FP, 1000), 0.0)
+    tokens = list(range(40 * BS))
+    keys = block_keys(tokens, BS, ExtraKeys(FP))
+    state.report_cache_events("p", "", 1, reset=False, cleared=False, stored=keys[:30], removed=[])
+    state.report_in_flight("router", {"p": 1}, now=1.0, tokens={"p": 100})
+    plan = state.place(PlaceInput(keys, len(tokens), FP, BS, "s"), 1.0)
+    assert (plan.decision, plan.prefill.engine_id) == (Decision.PREFILL_LOCAL, "p")
+    assert plan.cost.prefill_queue_s == pytest.approx(100 / 5000)
+    state.report_in_flight("router", {"p": 1}, now=2.0, tokens={"p": 20_000})
+    plan = state.place(PlaceInput(keys, len(tokens), FP, BS, "s"), 2.0)
+    assert (plan.decision, plan.prefill.engine_id) == (Decision.RECOMPUTE, "p2") and plan.cost.prefill_queue_s == 0
+
+
+def test_tokens_in_flight_over_any_prompt_are_refused_naming_the_field() -> None:
+    state = _state()
+    with pytest.raises(InvalidArgument) as exc:
+        state.report_in_flight("router", {"d": 1}, now=0.0, tokens={"d": 1 << 40})
+    assert exc.value.field == "in_flight_tokens"
+
+
+def test_the_routers_counter_counts_tokens_until_computed() -> None:
+    counts = InFlightCounts()
+    with counts.track("p", 300), counts.track("p", 200) as computed:
+        assert counts.tokens() == {"p": 500}
+        computed()
+        computed()  # once only
+        assert counts.tokens() == {"p": 300} and counts["p"] == 2
+    assert counts.tokens() == {} and counts.snapshot() == {}

@@ -52,7 +52,8 @@ def test_a_short_tail_runs_on_the_decode_engine_that_holds_the_prefix() -> None:
     (64 * BS + 600, 64, {}, PlacementPolicy(), "tail_tokens"),          # 600 > 512 uncached tokens
     (10 * BS + 200, 10, {}, PlacementPolicy(), "tail_share"),           # 200 of 360 tokens is over half
     (64 * BS + 100, 64, {"waiting_requests": 1}, PlacementPolicy(), "decode_busy"),
-    (64 * BS + 100, 64, {"running_requests": 8}, PlacementPolicy(), "decode_busy"),
+    (64 * BS + 100, 64, {"running_requests": 30}, PlacementPolicy(), "decode_busy"),  # 30 x 20 ms > 0.5 s
+    (64 * BS + 100, 64, {"running_requests": 4}, PlacementPolicy(decode_local_max_running=4), "decode_busy"),
     (64 * BS + 100, 64, {}, PlacementPolicy(decode_local=False), "disabled"),
 ])
 def test_decode_local_is_vetoed_by_each_knob(tokens: int, lease_blocks: int, load: dict[str, Any],
