@@ -76,7 +76,10 @@ class BrokerConfig(ServiceConfig):
     transfer_overhead_s: float = setting(_policy("transfer_overhead_s"),
         "fixed cost of one pull (handshake, notifications, extra step)")
     sticky_load_gap: float = setting(_policy("sticky_load_gap"),
-        "keep a session's decode engine unless it has this many more requests")
+        "keep a session on the decode engine holding its own history unless it has this many more requests")
+    shared_prefix_load_gap: float = setting(_policy("shared_prefix_load_gap"),
+        "keep a new session on a decode engine holding only a shared prefix (a system prompt) unless it has "
+        "this many more requests than the least loaded")
     pd_hop_s: float = setting(_policy("pd_hop_s"),
         "cost model: fixed seconds of the P/D hop (prefill round trip, the decode's read of the new blocks, "
         "its first step), measured on the benchmark")
@@ -153,7 +156,8 @@ class BrokerConfig(ServiceConfig):
                       f"must be within 1..{SOFT_INDEX_MAX_BLOCKS}")
         # 34 bytes a key on the wire: a batch over max_message_bytes is refused by gRPC itself.
         self._require(1 <= self.max_cache_event_keys <= 65536, "max_cache_event_keys", "must be within 1..65536")
-        for name in ("threshold_tokens", "transfer_overhead_s", "sticky_load_gap", "shutdown_grace_s", "pd_hop_s",
+        for name in ("threshold_tokens", "transfer_overhead_s", "sticky_load_gap", "shared_prefix_load_gap",
+                     "shutdown_grace_s", "pd_hop_s",
                      "queue_penalty_s", "decode_local_max_tokens", "decode_local_stall_budget_s",
                      "decode_stall_weight"):
             self._require(getattr(self, name) >= 0, name, "must not be negative")

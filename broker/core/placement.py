@@ -46,7 +46,12 @@ class PlacementPolicy:
     transfer_overhead_s: float = 0.005
     """Fixed cost of a pull: handshake, notifications, the extra engine step."""
     sticky_load_gap: float = 4.0
-    """Keep a session on the decode engine holding its prefix unless it is this much busier."""
+    """Keep a session on the decode engine holding its own history (its lease, or its last engine) unless that
+    engine is this much busier than the least loaded."""
+    shared_prefix_load_gap: float = 1.0
+    """... and on one holding only a prefix other sessions share (a system prompt) unless it is this much busier:
+    the least loaded engine then computes that prefix once and holds it too, instead of every new session
+    following the first engine that held it."""
     pd_hop_s: float = 0.08
     """Fixed cost of the disaggregated hop: the prefill request's round trip, the decode's read of the new
     blocks and its first step (the benchmark's prefill_http + decode_first on this machine: ~25 + ~55 ms)."""
@@ -183,8 +188,13 @@ def place(
     candidate = max(holders, key=lambda e: (held(e), -e.load.score, e.info.engine_id), default=None)
     if candidate is None and session_engine_id in by_id and by_id[session_engine_id].info.role.can_decode:
         candidate = by_id[session_engine_id]
-    if candidate is not None and candidate.load.score - decode.load.score <= policy.sticky_load_gap:
-        decode, sticky = candidate, True
+    if candidate is not None:
+        own = candidate.info.engine_id == session_engine_id or (
+            bool(request.session_id) and match is not None and source is candidate
+            and match.lease.session_id == request.session_id)
+        gap = policy.sticky_load_gap if own else policy.shared_prefix_load_gap
+        if candidate.load.score - decode.load.score <= gap:
+            decode, sticky = candidate, True
 
     def queue_s(engine: EngineRecord, flat: bool = True) -> float:
         """The wait before ``engine`` starts a new prompt: its queued tokens at its rate; else (``flat``) the

@@ -758,19 +758,32 @@ def test_place_local_prefix_on_a_prefill_capable_source() -> None:
 @pytest.mark.parametrize(("busy", "sticky"), [(4, True), (5, False)])
 def test_place_decode_stickiness_and_load_gap(busy: int, sticky: bool) -> None:
     c = pd_cluster()
-    c.publish("d1", toks(8 * BS))
+    c.publish("d1", toks(8 * BS), session="s")  # the session's own history
     c.load("d1", running_requests=busy)
-    plan = c.place(toks(8 * BS + 1))
+    plan = c.place(toks(8 * BS + 1), session="s")
     assert plan.decode_sticky is sticky
     assert plan.decode.engine_id == ("d1" if sticky else "d2")
     assert plan.source is not None and plan.source.engine_id == "d1" and plan.decision is Decision.TRANSFER
 
 
+@pytest.mark.parametrize(("busy", "sticky"), [(1, True), (2, False)])
+def test_a_prefix_other_sessions_share_keeps_a_new_session_only_within_the_shared_gap(busy: int,
+                                                                                      sticky: bool) -> None:
+    """d1 holds a system prompt another session's lease covers; d2 (restarted, say) holds nothing. A new session
+    follows the prefix only while d1 is at most ``shared_prefix_load_gap`` (1) busier: else d2 takes it and
+    computes the prefix once, instead of every new session following the first engine that held it."""
+    c = pd_cluster()
+    c.publish("d1", toks(8 * BS), session="other")
+    c.load("d1", running_requests=busy)
+    plan = c.place(toks(8 * BS + 1), session="new")
+    assert plan.decode_sticky is sticky and plan.decode.engine_id == ("d1" if sticky else "d2")
+
+
 def test_place_sticky_gap_is_configurable() -> None:
     c = pd_cluster(PlacementPolicy(sticky_load_gap=0.0, decode_local=False))
-    c.publish("d1", toks(8 * BS))
+    c.publish("d1", toks(8 * BS), session="s")
     c.load("d1", kv_usage=0.1)
-    assert c.place(toks(8 * BS + 1)).decode.engine_id == "d2"
+    assert c.place(toks(8 * BS + 1), session="s").decode.engine_id == "d2"
 
 
 def test_place_session_engine_is_sticky_without_a_match() -> None:
