@@ -68,8 +68,9 @@ class PlacementPolicy:
     many stream-seconds, with none queued (the busy veto)."""
     decode_local_max_running: int = 64
     """... and the decode engine runs fewer requests than this (a cap on top of the budget)."""
-    decode_stall_weight: float = 0.25
-    """DECODE_LOCAL's price per stream-second its tail holds up the decode engine's streams (0: its own time)."""
+    decode_stall_weight: float = 1.0
+    """DECODE_LOCAL's price per stream-second its tail holds up the decode engine's streams (1: every stream's
+    delay counts as much as this turn's own; 0: its own time alone)."""
     in_flight_ttl_s: float = 10.0
     """A router's counts of its requests in flight stand for this long after its last Place (see .in_flight)."""
 

@@ -6,7 +6,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvloop.broker.core import BrokerState, Decision, EngineInfo, EngineLoad, LruPolicy, PlaceInput, Role
+from kvloop.broker.core import (
+    BrokerState,
+    Decision,
+    EngineInfo,
+    EngineLoad,
+    LruPolicy,
+    PlaceInput,
+    PlacementPolicy,
+    Role,
+)
 from kvloop.broker.core.in_flight import InFlight
 from kvloop.router.in_flight import InFlightCounts
 from kvloop.shared.errors import InvalidArgument
@@ -53,8 +62,8 @@ def test_the_book_keeps_a_bounded_number_of_routers() -> None:
     assert book.totals(9.0) == {"d": 3}
 
 
-def _state() -> BrokerState:
-    state = BrokerState(LruPolicy())
+def _state(policy: PlacementPolicy | None = None) -> BrokerState:
+    state = BrokerState(LruPolicy(), policy)
     for eid, role in (("p", Role.PREFILL), ("d", Role.DECODE)):
         state.register(EngineInfo(eid, role, BS, FP, 1000), 0.0)
     return state
@@ -124,14 +133,26 @@ def test_the_routers_counter_counts_while_a_request_runs_even_when_it_fails() ->
 
 def test_the_busy_veto_follows_from_the_stall_budget_not_a_count() -> None:
     """Ten streams: a 100-token tail holds them up 10 x 20 ms, inside the 0.5 s budget; a 400-token tail
-    10 x 80 ms, over it."""
-    state = _state()
+    10 x 80 ms, over it (the stall left unpriced here, to see the budget alone)."""
+    state = _state(PlacementPolicy(decode_stall_weight=0.0))
     tokens = _retained_turn(state)
     state.report_in_flight("router", {"d": 10}, now=2.0)
     assert _place(state, tokens, now=2.0) == (Decision.DECODE_LOCAL, "")
-    plan = state.place(PlaceInput(block_keys(tokens, BS, ExtraKeys(FP)), len(tokens), FP, BS, "s"), 2.0)
-    assert plan.cost.decode_stall_s == pytest.approx(0.25 * 10 * 100 / 5000)  # priced, inside the budget
     assert _place(state, [*tokens, *range(300)], now=2.0) == (Decision.TRANSFER, "decode_busy")
+
+
+def test_the_stall_of_the_decode_engines_streams_is_priced() -> None:
+    """Two streams: the 100-token tail costs 20 ms + 2 x 20 ms held up, under TRANSFER's 80 ms hop + pull +
+    tail; six streams: 20 + 6 x 20 ms, over it, so the tail moves to the prefill engine (the veto: costlier)."""
+    state = _state()
+    tokens = _retained_turn(state)
+    keys = block_keys(tokens, BS, ExtraKeys(FP))
+    state.report_in_flight("router", {"d": 2}, now=2.0)
+    plan = state.place(PlaceInput(keys, len(tokens), FP, BS, "s"), 2.0)
+    assert plan.decision is Decision.DECODE_LOCAL and plan.cost.decode_stall_s == pytest.approx(2 * 100 / 5000)
+    assert plan.cost.decode_local_s == pytest.approx(3 * 100 / 5000)
+    state.report_in_flight("router", {"d": 6}, now=3.0)
+    assert _place(state, tokens, now=3.0) == (Decision.TRANSFER, "costlier")
 
 
 def test_queued_tokens_price_the_wait_and_spread_long_tails_over_the_prefill_engines() -> None:
