@@ -10,10 +10,10 @@ Configurations (``--configs``), on the same engine settings as ``kvloop bench mu
 - ``one_way``: the same cluster with retention off (``kvloop_retain: false``) and the router asking for strict
   P/D: without a return path, nothing computed on the decode engine (its prefix cache would otherwise still
   serve DECODE_LOCAL turns), the router still using each prefill engine's prefix cache;
+- ``kvloop_dp``: a data-parallel fleet: one aggregated engine (role ``both``, kvloop's connector) per half of
+  the cores behind kvloop's broker and router, which keep each session where its history is and move it (a
+  pull) when that engine is busy: llm-d's recommended setup before P/D, with kvloop's return path;
 - ``aggregated``: one engine with its prefix cache on every core: the engine kvloop must match.
-
-A data-parallel fleet of aggregated engines behind a prefix-aware router is not here yet (kvloop's router
-places on P/D roles; an engine of role ``both`` is not yet placed as a whole replica).
 
 Workloads: ``agent`` (AIPerf's synthetic multi-turn chat: sessions sharing one system prompt, every turn the
 whole history) swept over concurrent sessions; ``trace`` (a Mooncake-format JSONL, scaled by
@@ -48,11 +48,11 @@ from kvloop.benchmarks.multiturn import BASELINE_EXTRA, BLOCK, Sizing, engine_co
 from kvloop.benchmarks.stats import STALL_S, health, markdown_table, show
 from kvloop.cluster import LocalCluster
 from kvloop.engine_set import EngineSet
-from kvloop.engines.config import default_work_dir, role_cores
+from kvloop.engines.config import default_work_dir, role_cores, split_cores
 from kvloop.engines.model import ensure_tiny_model
 from kvloop.shared.http import metric_by_label, read_metrics
 
-CONFIGS = ("kvloop", "kvloop_pd", "one_way", "aggregated")
+CONFIGS = ("kvloop", "kvloop_pd", "kvloop_dp", "one_way", "aggregated")
 BASELINE = "aggregated"
 
 
@@ -90,7 +90,15 @@ def sizing(max_prompt: int, concurrency: int) -> Sizing:
 async def start(name: str, model: Path, work: Path, size: Sizing, timeout_s: float
                 ) -> tuple[EngineSet, LocalCluster | None, str]:
     """One configuration's engines (and cluster); the OpenAI URL the load goes to."""
-    if name == "one_way":
+    if name == "kvloop_dp":
+        def fleet(broker: str) -> list[Any]:
+            return [engine_config(model, work, "both", i, connector="kvloop", broker=broker, size=size,
+                                  blocks=None, extra={}, cores=cores) for i, cores in enumerate(split_cores(2))]
+
+        cluster = await LocalCluster.start(fleet, work, separate_broker=True, broker={"engine_ttl_s": 10.0},
+                                           router={"request_timeout_s": timeout_s})
+        engines: EngineSet = cluster.engines
+    elif name == "one_way":
         def configs(broker: str) -> list[Any]:
             prefills = [engine_config(model, work, "prefill", i, connector="kvloop", broker=broker, size=size,
                                       blocks=size.prefill_blocks, extra=BASELINE_EXTRA) for i in range(2)]
@@ -99,7 +107,7 @@ async def start(name: str, model: Path, work: Path, size: Sizing, timeout_s: flo
 
         cluster = await LocalCluster.start(configs, work, separate_broker=True, broker={"engine_ttl_s": 10.0},
                                            router={"request_timeout_s": timeout_s, "decode_local": False})
-        engines: EngineSet = cluster.engines
+        engines = cluster.engines
     else:
         engines, maybe = await start_config("ideal" if name == BASELINE else name, model, work, size, timeout_s)
         if maybe is None:

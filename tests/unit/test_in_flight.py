@@ -142,16 +142,18 @@ def test_the_busy_veto_follows_from_the_stall_budget_not_a_count() -> None:
 
 
 def test_the_stall_of_the_decode_engines_streams_is_priced() -> None:
-    """Two streams: the 100-token tail costs 20 ms + 2 x 20 ms held up, under TRANSFER's 80 ms hop + pull +
-    tail; six streams: 20 + 6 x 20 ms, over it, so the tail moves to the prefill engine (the veto: costlier)."""
+    """Two streams: the 100-token tail costs 20 ms + 0.25 x 2 x 20 ms held up, under TRANSFER's 80 ms hop + pull
+    + tail (122 ms); 24 streams: 20 + 0.25 x 24 x 20 ms = 140 ms, over it, so the tail moves to the prefill engine
+    (the veto: costlier)."""
     state = _state()
     tokens = _retained_turn(state)
     keys = block_keys(tokens, BS, ExtraKeys(FP))
     state.report_in_flight("router", {"d": 2}, now=2.0)
     plan = state.place(PlaceInput(keys, len(tokens), FP, BS, "s"), 2.0)
-    assert plan.decision is Decision.DECODE_LOCAL and plan.cost.decode_stall_s == pytest.approx(2 * 100 / 5000)
-    assert plan.cost.decode_local_s == pytest.approx(3 * 100 / 5000)
-    state.report_in_flight("router", {"d": 6}, now=3.0)
+    assert plan.decision is Decision.DECODE_LOCAL
+    assert plan.cost.decode_stall_s == pytest.approx(0.25 * 2 * 100 / 5000)
+    assert plan.cost.decode_local_s == pytest.approx(1.5 * 100 / 5000)
+    state.report_in_flight("router", {"d": 24}, now=3.0)
     assert _place(state, tokens, now=3.0) == (Decision.TRANSFER, "costlier")
 
 
