@@ -93,7 +93,7 @@ class TraceLoad:
     block_size: int = 512
 
 
-def command(exe: Path, *, model: str, tokenizer: Path, url: str, concurrency: int, load: AgentLoad | TraceLoad,
+def command(exe: Path, *, model: str, tokenizer: Path | str, url: str, concurrency: int, load: AgentLoad | TraceLoad,
             slo: Slo, artifacts: Path, timeout_s: float) -> list[str]:
     """The AIPerf command line for one load point."""
     argv = [str(exe), "profile", "--model", model, "--tokenizer", str(tokenizer), "--url", url,
@@ -168,10 +168,30 @@ def read_records(lines: Iterable[str]) -> list[Request]:
     return [parse_record(line) for line in lines if line.strip()]
 
 
-def run(argv: Sequence[str], artifacts: Path, timeout_s: float) -> list[Request]:
+def hub_tokenizer(model: Path, hf_home: Path) -> str:
+    """A Hugging Face repo id for ``model``'s tokenizer, cached under ``hf_home`` (pass it as ``HF_HOME``).
+
+    AIPerf 0.13 loads the tokenizer of a trace replay in worker processes in offline mode, where a local
+    directory is looked up as a cached repo and refused (``HFValidationError: Repo id must be in the form
+    ...``); the model is therefore linked into a hub cache layout (``models--kvloop--<name>/snapshots/local``,
+    ``refs/main`` naming it) and named by that id."""
+    repo = hf_home / "hub" / f"models--kvloop--{model.name}"
+    (repo / "snapshots").mkdir(parents=True, exist_ok=True)
+    (repo / "refs").mkdir(exist_ok=True)
+    snapshot = repo / "snapshots" / "local"
+    if snapshot.is_symlink() or snapshot.exists():
+        snapshot.unlink()
+    snapshot.symlink_to(model.absolute(), target_is_directory=True)
+    (repo / "refs" / "main").write_text("local")
+    return f"kvloop/{model.name}"
+
+
+def run(argv: Sequence[str], artifacts: Path, timeout_s: float, hf_home: Path | None = None) -> list[Request]:
     """Runs one load point; its records. Raises ``RuntimeError`` with AIPerf's last lines when it fails."""
     artifacts.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "AIPERF_METRICS_OSL_MISMATCH_PCT_THRESHOLD": "100"}
+    if hf_home is not None:
+        env.update(HF_HOME=str(hf_home), HF_HUB_OFFLINE="1")
     done = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout_s, env=env,
                           stdin=subprocess.DEVNULL)
     (artifacts / "aiperf.log").write_text(done.stdout[-200_000:] + done.stderr[-200_000:])

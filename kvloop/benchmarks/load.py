@@ -131,11 +131,13 @@ async def run_point(name: str, load_value: float, url: str, router: str | None, 
     urls = [e.url for e in engines]
     serving = [e.url for e in engines if e.plan.config.role != "decode"]
     concurrency = int(load_value) if isinstance(load, AgentLoad) else args.trace_concurrency
-    argv = aiperf.command(exe, model=model.name, tokenizer=model, url=url, concurrency=concurrency, load=load,
+    hf_home = out_dir.parent.parent / "hf-home"
+    tokenizer = aiperf.hub_tokenizer(model, hf_home)
+    argv = aiperf.command(exe, model=model.name, tokenizer=tokenizer, url=url, concurrency=concurrency, load=load,
                           slo=args.slo, artifacts=out_dir, timeout_s=args.timeout_s)
     before = await asyncio.to_thread(snapshot, urls, serving, router)
     t0 = time.monotonic()
-    records = await asyncio.to_thread(aiperf.run, argv, out_dir, args.point_timeout_s)
+    records = await asyncio.to_thread(aiperf.run, argv, out_dir, args.point_timeout_s, hf_home)
     seconds = time.monotonic() - t0
     after = await asyncio.to_thread(snapshot, urls, serving, router)
     figures = point_figures(records, args.slo)
@@ -242,7 +244,8 @@ def plot(configs: dict[str, Any], path: Path, xlabel: str) -> list[str]:
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     started = time.monotonic()
-    model = await asyncio.to_thread(ensure_tiny_model, args.model)
+    # Absolute: AIPerf's workers take a relative tokenizer path for a Hugging Face repo id.
+    model = (await asyncio.to_thread(ensure_tiny_model, args.model)).absolute()
     work = (args.work_dir or default_work_dir() / "bench-load").absolute()
     exe = await asyncio.to_thread(aiperf.ensure, args.aiperf_root or default_work_dir())
     loads = loads_of(args)

@@ -113,3 +113,14 @@ def test_bad_arguments_are_named(argv: list[str], field: str) -> None:
     add_arguments(parser)
     assert validate(parser.parse_args(argv)).startswith(field)
     assert validate(parser.parse_args([])) == ""
+
+
+def test_the_tokenizer_is_named_as_a_cached_hub_repo_linked_to_the_model(tmp_path: Path) -> None:
+    model = tmp_path / "tiny"
+    model.mkdir()
+    (model / "tokenizer.json").write_text("{}")
+    name = aiperf.hub_tokenizer(model, tmp_path / "hf")
+    repo = tmp_path / "hf" / "hub" / "models--kvloop--tiny"
+    assert name == "kvloop/tiny" and (repo / "refs" / "main").read_text() == "local"
+    assert (repo / "snapshots" / "local" / "tokenizer.json").read_text() == "{}"
+    assert aiperf.hub_tokenizer(model, tmp_path / "hf") == name  # again: the link is replaced, not an error
