@@ -19,7 +19,8 @@ Workloads: ``agent`` (AIPerf's synthetic multi-turn chat: sessions sharing one s
 whole history) swept over concurrent sessions; ``trace`` (a Mooncake-format JSONL, scaled by
 :func:`scale_trace`) swept over replay speed. Per point: goodput (DistServe), the SLO attainment, TTFT,
 per-request ITL, chunk gaps and end-to-end p50/p95/p99 with n, throughput, each core's busy share from
-``/proc/stat``, the paths kvloop's router took, and the engines' queue stalls; per configuration the knees (the
+``/proc/stat`` and the CPU seconds split between the load generator, this process (with kvloop's router, which
+runs in it) and the rest (engines, sidecars, broker), the paths kvloop's router took, and the engines' queue stalls; per configuration the knees (the
 highest load with 90% and 99% of requests within the SLO).
 
 Health: a configuration whose point has errors or a request queued over ``STALL_S`` in an engine is unhealthy
@@ -35,6 +36,7 @@ import asyncio
 import json
 import math
 import os
+import resource
 import sys
 import time
 from dataclasses import asdict
@@ -118,11 +120,25 @@ async def start(name: str, model: Path, work: Path, size: Sizing, timeout_s: flo
 
 
 def snapshot(urls: list[str], serving: list[str], router: str | None
-             ) -> tuple[dict[str, tuple[int, int]], dict[str, float], dict[str, float]]:
-    """Each core's jiffies, the engines' figures, and the router's turns by path (blocking: run in a thread)."""
+             ) -> tuple[dict[str, tuple[int, int]], dict[str, float], dict[str, float], tuple[float, float]]:
+    """Each core's jiffies, the engines' figures, the router's turns by path, and the CPU seconds of this process
+    (the bench and kvloop's in-process router) and of its finished children (AIPerf runs) (blocking: run in a
+    thread)."""
     paths = {} if router is None else metric_by_label(read_metrics(router), "kvloop_router_decisions_total",
                                                        "decision")
-    return cpu_times(Path("/proc/stat").read_text()), engine_snapshot(urls, serving), paths
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (cpu_times(Path("/proc/stat").read_text()), engine_snapshot(urls, serving), paths,
+            (own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime))
+
+
+def cpu_split(before: tuple[Any, ...], after: tuple[Any, ...]) -> dict[str, float]:
+    """CPU seconds of the point: the load generator (AIPerf), the bench with kvloop's router (in this process),
+    and the rest (engines, sidecars, broker, anything else on the machine), from the cores' busy jiffies."""
+    hz = os.sysconf("SC_CLK_TCK")
+    busy = sum(a[0] - before[0].get(core, (0, 0))[0] for core, a in after[0].items()) / hz
+    own, aiperf_s = after[3][0] - before[3][0], after[3][1] - before[3][1]
+    return {"aiperf": round(aiperf_s, 1), "bench_and_router": round(own, 1),
+            "engines_and_rest": round(max(0.0, busy - own - aiperf_s), 1)}
 
 
 async def run_point(name: str, load_value: float, url: str, router: str | None, engines: EngineSet,
@@ -144,7 +160,7 @@ async def run_point(name: str, load_value: float, url: str, router: str | None, 
     eng = {k: after[1].get(k, 0.0) - before[1].get(k, 0.0) for k in after[1]}
     paths = {k: int(v - before[2].get(k, 0.0)) for k, v in after[2].items() if v - before[2].get(k, 0.0) > 0}
     figures.update(load=load_value, concurrency=concurrency, aiperf_seconds=round(seconds, 1),
-                   cores_busy=busy_share(before[0], after[0]), paths=paths,
+                   cores_busy=busy_share(before[0], after[0]), cpu_s=cpu_split(before, after), paths=paths,
                    stalled_requests=int(eng.get("stalled", 0)),
                    prefill_time_s=round(eng.get("vllm:request_prefill_time_seconds_sum", 0.0), 3),
                    ttft_sum_s=round(sum(r.ttft_ms or 0.0 for r in records if not r.error) / 1e3, 3))
@@ -211,10 +227,12 @@ def table(configs: dict[str, Any]) -> str:
                          f"{p['slo_attainment']:.0%}", show(p["ttft_ms"], "p50"), show(p["ttft_ms"], "p99"),
                          show(p["itl_ms"], "p50"), show(p["itl_ms"], "p99"), show(p["gap_ms"], "p99"),
                          f"{p['throughput_rps']:.2f}", "/".join(f"{v:.2f}" for v in p["cores_busy"].values()),
+                         "/".join(f"{v:g}" for v in p["cpu_s"].values()),
                          ",".join(f"{k}:{v}" for k, v in sorted(p["paths"].items())) or "-",
                          "yes" if p["health"]["healthy"] else "NO"])
     return markdown_table(["config", "load", "n", "goodput/s", "in SLO", "TTFT p50", "TTFT p99", "ITL p50",
-                           "ITL p99", "gap p99", "req/s", "cores busy", "paths", "healthy"], rows)
+                           "ITL p99", "gap p99", "req/s", "cores busy", "CPU s aiperf/router/engines", "paths",
+                           "healthy"], rows)
 
 
 def plot(configs: dict[str, Any], path: Path, xlabel: str) -> list[str]:
