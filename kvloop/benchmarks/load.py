@@ -20,8 +20,8 @@ whole history) swept over concurrent sessions; ``trace`` (a Mooncake-format JSON
 :func:`scale_trace`) swept over replay speed. Per point: goodput (DistServe), the SLO attainment, TTFT,
 per-request ITL, chunk gaps and end-to-end p50/p95/p99 with n, throughput, each core's busy share from
 ``/proc/stat`` and the CPU seconds split between the load generator, this process (with kvloop's router, which
-runs in it) and the rest (engines, sidecars, broker), the paths kvloop's router took, and the engines' queue stalls; per configuration the knees (the
-highest load with 90% and 99% of requests within the SLO).
+runs in it) and the rest (engines, sidecars, broker), the paths kvloop's router took, and the engines' queue
+stalls; per configuration the knees (the highest load with 90% and 99% of requests within the SLO).
 
 Health: a configuration whose point has errors or a request queued over ``STALL_S`` in an engine is unhealthy
 there; at its lowest load its time to first token is held against its engines' prefill time as in the
