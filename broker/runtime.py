@@ -33,6 +33,7 @@ class BrokerRuntime:
         self._batch: tuple[Changes, asyncio.Future[None]] | None = None
         self._flusher: asyncio.Task[None] | None = None
         self._wakeups: dict[str, set[asyncio.Event]] = {}
+        self._durable_seq: dict[str, int] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self.leader_changed = asyncio.Event()
         self.draining = False
@@ -53,6 +54,7 @@ class BrokerRuntime:
         for rec in snapshot.engines:
             rec.last_seen = max(rec.last_seen, now)
         state.load(snapshot.engines, snapshot.leases, snapshot.pins)
+        self._durable_seq = {rec.info.engine_id: rec.eviction_seq for rec in snapshot.engines}
         self.state = state
         log.info("broker.leader", engines=len(snapshot.engines), leases=len(snapshot.leases),
                  pins=len(snapshot.pins), store=self.store.kind)
@@ -135,8 +137,14 @@ class BrokerRuntime:
                 self._publish(batch.commands)
                 written.set_result(None)
 
+    def durable_seq(self, engine_id: str) -> int | None:
+        """The engine's last eviction command whose change the store holds; None for a store that keeps nothing
+        (there every command is as durable as it gets). The eviction stream sends nothing past it."""
+        return self._durable_seq.get(engine_id, 0) if self.store.durable else None
+
     def _publish(self, commands: list[EvictionCommand]) -> None:
         for cmd in commands:
+            self._durable_seq[cmd.engine_id] = max(self._durable_seq.get(cmd.engine_id, 0), cmd.seq)
             self.metrics.evictions.labels(reason=cmd.reason.value).inc()
             for event in self._wakeups.get(cmd.engine_id, ()):
                 event.set()

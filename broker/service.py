@@ -284,9 +284,9 @@ class BrokerService(broker_pb2_grpc.KVBrokerServicer):
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "this broker replica is shutting down")
                 event.clear()
                 try:
-                    after = cursor
+                    after, durable = cursor, self.runtime.durable_seq(engine_id)
                     commands: list[EvictionCommand] = self.runtime.read(
-                        lambda s, now: s.commands_after(engine_id, after))  # noqa: B023 (called at once)
+                        lambda s, now: s.commands_after(engine_id, after, durable))  # noqa: B023 (called at once)
                 except KvloopError as exc:
                     code = _CODES[exc.status.value]
                     self.runtime.metrics.rpc_errors.labels(method="WatchEvictions", code=code.name).inc()

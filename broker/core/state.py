@@ -623,15 +623,24 @@ class BrokerState:
                                removed=removed)
 
     # ----------------------------------------------------------------- eviction stream
-    def commands_after(self, engine_id: str, after_seq: int) -> list[EvictionCommand]:
-        """Commands an engine has not applied yet; a RESYNC when the log no longer covers the gap."""
+    def commands_after(self, engine_id: str, after_seq: int, durable_seq: int | None = None) -> list[EvictionCommand]:
+        """Commands an engine has not applied yet; a RESYNC when the log no longer covers the gap.
+
+        ``durable_seq``: the engine's last command whose change the store holds (None: no durable store). A command
+        past it is withheld: the engine would free blocks that a new leader, loading the store, still offers.
+        While any is pending, no RESYNC is sent either (its live leases would be this state's, not the store's);
+        the shell wakes the stream once the write lands."""
         rec = self._engine(engine_id)
         log = self._books[engine_id].log
         last = rec.eviction_seq
+        pending = durable_seq is not None and durable_seq < last
         if after_seq == last:
             return []
         if after_seq > last or not log or after_seq < log[0].seq - 1:
+            if pending:
+                return []
             return [EvictionCommand(seq=last, engine_id=engine_id, lease_id="", block_ids=(),
                                     reason=EvictionReason.RESYNC,
                                     live_lease_ids=tuple(self.engine_lease_ids(engine_id)))]
-        return [cmd for cmd in log if cmd.seq > after_seq]
+        upto = durable_seq if pending and durable_seq is not None else last
+        return [cmd for cmd in log if after_seq < cmd.seq <= upto]

@@ -161,6 +161,20 @@ def test_new_incarnation_drops_the_old_leases() -> None:
     assert resync.reason is EvictionReason.RESYNC and resync.live_lease_ids == () and resync.seq == 1
 
 
+def test_commands_past_the_durable_seq_are_withheld_and_so_is_a_resync() -> None:
+    c = Cluster(info("e1", budget=2))
+    first, _ = c.publish("e1", toks(32, 0))
+    second, _ = c.publish("e1", toks(32, 100))  # evicts the first: seq 1
+    c.publish("e1", toks(32, 200))  # evicts the second: seq 2
+    assert [x.lease_id for x in c.state.commands_after("e1", 0, durable_seq=1)] == [first.lease_id]
+    assert [x.lease_id for x in c.state.commands_after("e1", 0, durable_seq=2)] == [first.lease_id,
+                                                                                   second.lease_id]
+    assert c.state.commands_after("e1", 1, durable_seq=1) == []
+    assert c.state.commands_after("e1", 5, durable_seq=1) == []  # a resync waits for the write too
+    (resync,) = c.state.commands_after("e1", 5, durable_seq=2)
+    assert resync.reason is EvictionReason.RESYNC
+
+
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [

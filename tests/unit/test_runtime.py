@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from kvloop.broker.config import BrokerConfig
-from kvloop.broker.core import Addresses, Changes, EngineInfo, Lease, Role
+from kvloop.broker.core import Addresses, Changes, EngineInfo, EngineLoad, EvictionCommand, Lease, Role
 from kvloop.broker.metrics import BrokerMetrics
 from kvloop.broker.runtime import BrokerRuntime
 from kvloop.broker.store import Snapshot
@@ -131,5 +131,42 @@ async def test_cache_events_are_volatile_and_never_written() -> None:
         await runtime.mutate(lambda s, now: s.tick(now))  # a later write carries nothing of it either
         assert all(not batch.engines and not batch.leases for batch in store.batches[writes:])
         assert runtime.read(lambda s, now: s.soft.cached_blocks("e1")) == 1
+    finally:
+        await runtime.stop()
+
+
+
+async def test_an_eviction_reaches_the_stream_only_once_its_write_is_durable() -> None:
+    """An engine frees blocks on a command; a new leader loads the store. A command whose write the store never got
+    would leave the new leader offering freed blocks, so the stream's read withholds it until the write lands."""
+    runtime, store, _ = await started()
+    try:
+        await runtime.mutate(lambda s, now: s.register(engine("e1"), now))
+        keys = [bytes([i]) * 32 for i in range(2)]
+        lease, _ = await runtime.mutate(lambda s, now: s.publish("e1", "s", keys, [0, 1], 2 * 128, 0, now))
+
+        def stream_read() -> list[EvictionCommand]:
+            durable = runtime.durable_seq("e1")
+            return runtime.read(lambda s, now: s.commands_after("e1", 0, durable))
+
+        gate = asyncio.Event()
+        real_apply = store.apply
+
+        async def held_apply(changes: Changes, hold_until: Callable[[Lease], float], now: float) -> None:
+            await gate.wait()
+            await real_apply(changes, hold_until, now)
+
+        store.apply = held_apply  # type: ignore[method-assign]
+        pressure = EngineLoad(memory_pressure=True, pressure_free_blocks=2)
+        evict = asyncio.create_task(runtime.mutate(lambda s, now: s.keepalive("e1", pressure, now)))
+        for _ in range(100):
+            if runtime.read(lambda s, now: s.engines["e1"].eviction_seq) == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert runtime.read(lambda s, now: s.engines["e1"].eviction_seq) == 1  # issued in the state ...
+        assert stream_read() == []  # ... and withheld while its write is in flight
+        gate.set()
+        await evict
+        assert [c.lease_id for c in stream_read()] == [lease.lease_id]
     finally:
         await runtime.stop()
