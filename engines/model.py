@@ -425,15 +425,19 @@ def cached_model(root: Path | None = None, **build: Any) -> Path:
 
     digest = hashlib.sha256(Path(__file__).read_bytes() + json.dumps(build, sort_keys=True, default=str).encode())
     out = (root or default_work_dir() / "models") / f"cached-{digest.hexdigest()[:16]}"
-    if not (out / "kvloop_model.json").is_file():
-        partial = out.with_name(f"{out.name}.partial-{time.time_ns()}")
-        build_tiny_model(partial, **build)
-        try:
-            partial.rename(out)
-        except OSError:  # another process finished the same build first: theirs is as good
-            import shutil
+    if (out / "kvloop_model.json").is_file():
+        return out
+    import fcntl
 
-            shutil.rmtree(partial, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # One build at a time: a second caller (the tests' fixture while the test command's background build runs)
+    # waits for the first and takes its model instead of training a second copy on the same cores.
+    with open(out.with_name(f"{out.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "kvloop_model.json").is_file():
+            partial = out.with_name(f"{out.name}.partial-{time.time_ns()}")
+            build_tiny_model(partial, **build)
+            partial.rename(out)
     return out
 
 

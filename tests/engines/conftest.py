@@ -57,9 +57,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
     def key(item: pytest.Item) -> tuple[int, int]:
         marker = item.get_closest_marker("stops_engines")
-        return (0, 0) if marker is None else (1, int(marker.kwargs.get("order", 1)))
+        if marker is not None:
+            return (2, int(marker.kwargs.get("order", 1)))
+        return (1, 0) if item.get_closest_marker("vllm") is not None else (0, 0)
 
-    items.sort(key=key)  # stable: order kept otherwise; among stops_engines tests, lower order first
+    # Stable: the tests without engines first (the engine tests' model builds meanwhile, see deploy/local/run.sh),
+    # then those with, then those that stop the shared engines, lower order first.
+    items.sort(key=key)
 
 
 @pytest.fixture(autouse=True)
