@@ -99,6 +99,8 @@ class BrokerConfig(ServiceConfig):
         "DECODE_LOCAL only while the decode engine runs fewer requests than this (a cap on top of the budget)")
     decode_stall_weight: float = setting(_policy("decode_stall_weight"),
         "cost model: DECODE_LOCAL's price per stream-second its tail holds up the decode engine's streams")
+    least_loaded_candidates: int = setting(_policy("least_loaded_candidates"),
+        "placement prices the engines holding a prompt's prefix plus this many of the least loaded of each role")
     in_flight_ttl_s: float = setting(_policy("in_flight_ttl_s"), "a router's counts of its requests in flight "
                                      "stand for this long after its last placement (they price load and veto)")
     tick_interval_s: float = setting(0.25, "how often leases, pins and engines are checked for expiry")
@@ -163,6 +165,7 @@ class BrokerConfig(ServiceConfig):
             self._require(getattr(self, name) >= 0, name, "must not be negative")
         self._require(0 < self.decode_local_max_share <= 1, "decode_local_max_share", "must be in (0, 1]")
         self._require(self.decode_local_max_running >= 1, "decode_local_max_running", "must be at least 1")
+        self._require(1 <= self.least_loaded_candidates <= 64, "least_loaded_candidates", "must be within 1..64")
         check_files(self, "tls_", server=True)
         if self.auth_secret_file is not None:
             self._require(Path(self.auth_secret_file).is_file(), "auth_secret_file", "must be an existing file")

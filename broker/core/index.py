@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from kvloop.broker.core.holders import Holders
 from kvloop.broker.core.model import Lease
 
 
@@ -27,27 +28,27 @@ def _always(_lease: Lease) -> bool:
 
 class BlockIndex:
     def __init__(self) -> None:
-        self._by_key: dict[bytes, set[str]] = {}
-        self._by_last_key: dict[bytes, set[str]] = {}
+        self._by_key = Holders()
+        self._by_last_key = Holders()
 
     def __len__(self) -> int:
         return len(self._by_key)
 
     def add(self, lease: Lease) -> None:
         for key in lease.keys:
-            self._by_key.setdefault(key, set()).add(lease.lease_id)
-        self._by_last_key.setdefault(lease.keys[-1], set()).add(lease.lease_id)
+            self._by_key.add(key, lease.lease_id)
+        self._by_last_key.add(lease.keys[-1], lease.lease_id)
 
     def remove(self, lease: Lease) -> None:
         for key in lease.keys:
-            _discard(self._by_key, key, lease.lease_id)
-        _discard(self._by_last_key, lease.keys[-1], lease.lease_id)
+            self._by_key.discard(key, lease.lease_id)
+        self._by_last_key.discard(lease.keys[-1], lease.lease_id)
 
     def _held(self, keys: Sequence[bytes], depth: int, leases: Mapping[str, Lease],
               eligible: Callable[[Lease], bool]) -> bool:
         """Does some eligible lease hold the query's key at position ``depth - 1``?"""
         key = keys[depth - 1]
-        return any(True for lid in self._by_key.get(key, ())
+        return any(True for lid in self._by_key.members(key)
                    if len(leases[lid].keys) >= depth and leases[lid].keys[depth - 1] == key and eligible(leases[lid]))
 
     def holding(self, keys: Sequence[bytes], depth: int, leases: Mapping[str, Lease],
@@ -55,7 +56,7 @@ class BlockIndex:
         """Eligible leases holding the query's key at position ``depth - 1`` with the whole prefix."""
         key = keys[depth - 1]
         found = []
-        for lid in self._by_key.get(key, ()):
+        for lid in self._by_key.members(key):
             lease = leases[lid]
             if len(lease.keys) >= depth and lease.keys[depth - 1] == key and eligible(lease):
                 found.append(lease)
@@ -82,7 +83,7 @@ class BlockIndex:
     def _longest_linear(self, keys: Sequence[bytes], leases: Mapping[str, Lease],
                         eligible: Callable[[Lease], bool]) -> list[Match]:
         """Exact walk, for malformed chains only: narrow the candidates block by block."""
-        alive = [leases[lid] for lid in self._by_key.get(keys[0], ())
+        alive = [leases[lid] for lid in self._by_key.members(keys[0])
                  if leases[lid].keys[0] == keys[0] and eligible(leases[lid])]
         depth = 1
         while depth < len(keys):
@@ -97,17 +98,9 @@ class BlockIndex:
         """Eligible leases whose whole key list is a prefix of ``keys`` (what a new lease supersedes)."""
         found = []
         for depth, key in enumerate(keys, start=1):
-            for lid in self._by_last_key.get(key, ()):
+            for lid in self._by_last_key.members(key):
                 lease = leases[lid]
                 if len(lease.keys) == depth and lease.keys == tuple(keys[:depth]) and eligible(lease):
                     found.append(lease)
         return found
 
-
-def _discard(index: dict[bytes, set[str]], key: bytes, lease_id: str) -> None:
-    holders = index.get(key)
-    if holders is None:
-        return
-    holders.discard(lease_id)
-    if not holders:
-        del index[key]

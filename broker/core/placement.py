@@ -73,6 +73,10 @@ class PlacementPolicy:
     alone). Weight 1 (every stream's delay as much as the turn's own) measured worse: at 8 sessions it sent a
     third of the turns over the P/D hop, which costs far more than ``pd_hop_s`` while the decode engine is busy
     (``kvloop bench load``: goodput 4.04/s against 6.08/s at 0.25)."""
+    least_loaded_candidates: int = 4
+    """Besides the engines holding a prompt's prefix, placement prices this many of the least loaded engines of each
+    role (not the whole fleet). Within one layout group engines are alike (same model, same hardware), so the
+    least loaded is the cheapest of those holding nothing; the few more cover differing measured rates."""
     in_flight_ttl_s: float = 10.0
     """A router's counts of its requests in flight stand for this long after its last Place (see .in_flight)."""
 
@@ -147,16 +151,22 @@ def place(
     policy: PlacementPolicy,
     session_engine_id: str = "",
     cached: Mapping[str, int] | None = None,
+    fleet_rate: float | None = None,
 ) -> Plan:
-    """``engines`` are the live engines; ``matches`` come from the lease index (any engine); ``cached`` is, per
-    engine id, how many leading blocks of ``request.keys`` the engine's own prefix cache holds (the soft index)."""
+    """``engines`` are the engines to price: all the live ones, or (as ``BrokerState.place`` passes them) those
+    holding a prefix, the session's, and the least loaded few of each role; ``matches`` come from the lease index
+    (any engine); ``cached`` is, per engine id, how many leading blocks of ``request.keys`` the engine's own prefix
+    cache holds (the soft index); ``fleet_rate`` is the median prefill rate the request's layout group reported,
+    where ``engines`` are not the whole group (None: the median of ``engines``)."""
     fit = [
         e for e in engines
         if e.info.layout_fingerprint == request.layout_fingerprint and e.info.block_size == request.block_size
     ]
     by_id = {e.info.engine_id: e for e in fit}
-    reported = sorted(e.load.prefill_tokens_per_s for e in fit if e.load.prefill_tokens_per_s > 0)
-    fleet = reported[len(reported) // 2] if reported else 0.0
+    if fleet_rate is None:
+        reported = sorted(e.load.prefill_tokens_per_s for e in fit if e.load.prefill_tokens_per_s > 0)
+        fleet_rate = reported[len(reported) // 2] if reported else 0.0
+    fleet = fleet_rate
     prefills = sorted((e for e in fit if e.info.role.can_prefill), key=lambda e: (e.load.score, e.info.engine_id))
     decode = _least_loaded(e for e in fit if e.info.role.can_decode)
     if not prefills or decode is None:

@@ -21,6 +21,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from kvloop.broker.core.holders import Holders
+
 
 class ResetReason(enum.Enum):
     REQUESTED = "requested"
@@ -62,6 +64,8 @@ class SoftIndex:
             raise ValueError("max_blocks must be positive")
         self.max_blocks = max_blocks
         self._engines: dict[str, _EngineIndex] = {}
+        self._holders = Holders()
+        """Key to the engines caching it: what :meth:`prefixes` walks, instead of every engine's index."""
 
     def apply(self, engine_id: str, incarnation: str, seq: int, *, reset: bool, cleared: bool,
               stored: Sequence[bytes], removed: Sequence[bytes]) -> SoftAck:
@@ -75,28 +79,56 @@ class SoftIndex:
                   else None)
         counted = reason is not None and (index.started or reason is not ResetReason.REQUESTED)
         if reason is not None:
-            index.keys.clear()
+            self._clear(engine_id, index)
             index.incarnation = incarnation
             index.resets += int(counted)
         if cleared:
-            index.keys.clear()
-        keys = index.keys
+            self._clear(engine_id, index)
+        keys, holders = index.keys, self._holders
         for key in stored:
-            keys[key] = None
-            keys.move_to_end(key)  # stored again: the newest now, the last to go over the cap
+            if key in keys:
+                keys.move_to_end(key)  # stored again: the newest now, the last to go over the cap
+            else:
+                keys[key] = None
+                holders.add(key, engine_id)
         gone = 0
         for key in removed:
             if key in keys:
                 del keys[key]
+                holders.discard(key, engine_id)
                 gone += 1
         dropped = 0
         while len(keys) > self.max_blocks:
-            keys.popitem(last=False)
+            holders.discard(keys.popitem(last=False)[0], engine_id)
             dropped += 1
         index.expected_seq = seq + 1
         index.started = True
         return SoftAck(reset=reason is not None, reason=reason, counted=counted, cached_blocks=len(keys),
                        expected_seq=index.expected_seq, stored=len(stored), removed=gone, dropped=dropped)
+
+    def _clear(self, engine_id: str, index: _EngineIndex) -> None:
+        for key in index.keys:
+            self._holders.discard(key, engine_id)
+        index.keys.clear()
+
+    def prefixes(self, keys: Sequence[bytes]) -> dict[str, int]:
+        """Per engine caching ``keys[0]``, how many leading ``keys`` it caches (:meth:`cached_prefix` of each), found
+        by walking the prompt's keys once: O(prompt blocks x engines still matching), not O(fleet)."""
+        if not keys:
+            return {}
+        alive = set(self._holders.members(keys[0]))
+        out: dict[str, int] = {}
+        depth = 1
+        for key in keys[1:]:
+            if not alive:
+                break
+            still = alive.intersection(self._holders.members(key))
+            for engine_id in alive - still:
+                out[engine_id] = depth
+            alive, depth = still, depth + 1
+        for engine_id in alive:
+            out[engine_id] = depth
+        return out
 
     def cached_prefix(self, engine_id: str, keys: Iterable[bytes]) -> int:
         """How many leading ``keys`` the engine caches: the contiguous run from the first, stopping at the first
@@ -126,4 +158,6 @@ class SoftIndex:
 
     def drop(self, engine_id: str) -> None:
         """The engine is gone (deregistered, expired, or registered anew with a new incarnation)."""
-        self._engines.pop(engine_id, None)
+        index = self._engines.pop(engine_id, None)
+        if index is not None:
+            self._clear(engine_id, index)

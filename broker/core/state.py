@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvloop.broker.core.eviction import EvictionPolicy, RefView, choose_victims
+from kvloop.broker.core.fleet import Fleet
 from kvloop.broker.core.in_flight import InFlight
 from kvloop.broker.core.index import BlockIndex, Match
 from kvloop.broker.core.model import (
@@ -150,6 +151,8 @@ class BrokerState:
         """Per registered engine, what the broker derives from its leases (never stored): opened with the engine's
         record (:meth:`_open_engine`), closed with it (:meth:`_drop_engine`)."""
         self._session_leases: dict[str, set[str]] = {}
+        self.fleet = Fleet()
+        """The live engines by layout and load order: which few placement prices besides the prefix's holders."""
         self.soft = SoftIndex(self.limits.soft_index_max_blocks)
         """Each engine's prefix cache as its KV events tell it: in memory only, never in ``Changes``."""
         self.in_flight = InFlight(ttl_s=self.placement_policy.in_flight_ttl_s)
@@ -229,6 +232,7 @@ class BrokerState:
 
     def _open_engine(self, rec: EngineRecord) -> None:
         self.engines[rec.info.engine_id] = rec
+        self.fleet.update(rec)
         self._books[rec.info.engine_id] = EngineBooks(log=deque(maxlen=self.limits.eviction_log_size))
 
     def _engine(self, engine_id: str, field_name: str = "engine_id") -> EngineRecord:
@@ -247,6 +251,7 @@ class BrokerState:
                 raise InvalidArgument(f"load.{name}: must be within 0..{most:g}", field=f"load.{name}")
         rec.load = load
         rec.last_seen = now
+        self.fleet.update(rec)
         self._touch_engine(rec)
         if load.memory_pressure:
             retained = self.retained_blocks(engine_id)
@@ -265,6 +270,7 @@ class BrokerState:
         for pin in [p for p in self.pins.values() if p.reader_engine_id == engine_id]:
             self._unpin(pin.pin_id, now)
         self.engines.pop(engine_id, None)
+        self.fleet.remove(engine_id)
         self.soft.drop(engine_id)
         self._books.pop(engine_id, None)
         self._changes.engines[engine_id] = None
@@ -535,6 +541,40 @@ class BrokerState:
                 f"num_tokens: {request.num_tokens} tokens cannot hold {len(request.keys)} full blocks",
                 field="num_tokens",
             )
+        matches, session_engine = self.lease_matches(request)
+        layout = (request.layout_fingerprint, request.block_size)
+        members = self.fleet.members(layout)
+        cached = {e: n for e, n in self.soft.prefixes(request.keys).items() if e in members}
+        return place(request, self._candidates(layout, matches, session_engine, cached, now), matches,
+                     self.placement_policy, session_engine, cached=cached, fleet_rate=self.fleet.median_rate(layout))
+
+    def _candidates(self, layout: tuple[str, int], matches: Sequence[Match], session_engine: str,
+                    cached: Mapping[str, int], now: float) -> list[EngineRecord]:
+        """The engines placement prices, with the load it prices (:meth:`engines_as_placed`): the prefix's holders,
+        the session's engine, and the least loaded few of each role that hold nothing. Where routers count their
+        requests, every engine they have one on is priced too (its load is theirs), and the few are the idle ones of
+        least KV usage, whose placed load is just that. Within a layout group of alike engines this prices the same
+        cheapest plan as all of them would (tests/unit/test_core_scale.py checks it against the whole fleet)."""
+        members = self.fleet.members(layout)
+        chosen = set(cached) | {m.lease.engine_id for m in matches} | {session_engine}
+        totals = self.in_flight.totals(now)
+        tokens = self.in_flight.token_totals(now) or {} if totals is not None else {}
+        if totals is not None:
+            chosen |= {e for e in (*totals, *tokens) if e in members}
+        k = self.placement_policy.least_loaded_candidates
+        for role in ("prefill", "decode"):
+            chosen.update(self.fleet.least_loaded(layout, role, k, chosen.__contains__, by_kv=totals is not None))
+        records = [self.engines[e] for e in sorted(chosen) if e in self.engines]
+        if totals is None:
+            return records
+        return [dataclasses.replace(rec, load=dataclasses.replace(
+                    rec.load, running_requests=totals.get(rec.info.engine_id, 0), waiting_requests=0,
+                    queued_prefill_tokens=tokens.get(rec.info.engine_id, 0)))
+                for rec in records]
+
+    def lease_matches(self, request: PlaceInput) -> tuple[list[Match], str]:
+        """The leases sharing the longest usable prefix with the request, and the engine of the session's latest
+        lease ("" when none)."""
         def eligible(lease: Lease) -> bool:
             rec = self.engines.get(lease.engine_id)
             return (rec is not None and lease.pending is None and rec.info.block_size == request.block_size
@@ -552,8 +592,7 @@ class BrokerState:
         if held:
             latest = max((self.leases[lid] for lid in held), key=lambda lease: lease.last_used)
             session_engine = latest.engine_id
-        return place(request, self.engines_as_placed(now), matches, self.placement_policy, session_engine,
-                     cached=self.cached_prefixes(request))
+        return matches, session_engine
 
     def report_in_flight(self, router: str, counts: Mapping[str, int], now: float,
                          tokens: Mapping[str, int] | None = None) -> None:

@@ -91,6 +91,11 @@ def test_matches_a_plain_model(batches: list[dict[str, Any]], cap: int, queries:
             while leading < len(query) and query[leading] in eng.keys:
                 leading += 1
             assert index.cached_prefix(eid, query) == leading
+    for query in queries:  # the walk over the key-to-engines map agrees with every engine's own answer
+        assert index.prefixes(query) == {e: n for e in ("e0", "e1") if (n := index.cached_prefix(e, query))}
+    for eid in ("e0", "e1"):
+        index.drop(eid)
+    assert index.prefixes(PATH_A) == {} and len(index._holders) == 0  # nothing left behind
 
 
 def test_reset_rules_one_by_one() -> None:
