@@ -7,6 +7,7 @@ The shell persists what changed (``take_changes``) and delivers eviction command
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import re
 import uuid
 from collections import Counter, deque
@@ -151,6 +152,9 @@ class BrokerState:
         """Per registered engine, what the broker derives from its leases (never stored): opened with the engine's
         record (:meth:`_open_engine`), closed with it (:meth:`_drop_engine`)."""
         self._session_leases: dict[str, set[str]] = {}
+        self._expiry: list[tuple[float, str]] = []
+        """(expires_at, lease id) per lease and per renewal: :meth:`tick` pops what is due instead of walking every
+        lease. An entry whose lease is gone or whose expiry moved is stale and skipped."""
         self.fleet = Fleet()
         """The live engines by layout and load order: which few placement prices besides the prefix's holders."""
         self.soft = SoftIndex(self.limits.soft_index_max_blocks)
@@ -380,6 +384,7 @@ class BrokerState:
         lease.ttl_s = self._validate_ttl(ttl_s) if ttl_s else lease.ttl_s
         lease.expires_at = now + lease.ttl_s
         lease.last_used = now
+        heapq.heappush(self._expiry, (lease.expires_at, lease.lease_id))
         self._touch_lease(lease)
         return lease
 
@@ -396,6 +401,7 @@ class BrokerState:
 
     def _add_lease(self, lease: Lease) -> None:
         self.leases[lease.lease_id] = lease
+        heapq.heappush(self._expiry, (lease.expires_at, lease.lease_id))
         self._index.add(lease)
         books = self._books[lease.engine_id]
         books.refs.update(set(lease.block_ids))
@@ -500,6 +506,7 @@ class BrokerState:
             if lease.pending is None and lease.expires_at > now:
                 lease.expires_at = now + lease.ttl_s
                 lease.last_used = now
+                heapq.heappush(self._expiry, (lease.expires_at, lease.lease_id))
                 self._touch_lease(lease)
         self._unpin(pin_id, now)
         return self.leases.get(pin.lease_id)
@@ -523,8 +530,16 @@ class BrokerState:
         """Expire pins, then leases, then engines whose keep-alive stopped."""
         for pin in [p for p in self.pins.values() if p.expires_at <= now]:
             self._unpin(pin.pin_id, now)
-        for lease in [x for x in self.leases.values() if x.expires_at <= now and x.pending is None]:
-            self._evict(lease, EvictionReason.TTL_EXPIRED)
+        due: list[Lease] = []
+        while self._expiry and self._expiry[0][0] <= now:
+            at, lease_id = heapq.heappop(self._expiry)
+            lease = self.leases.get(lease_id)
+            # Skipped: gone, renewed (its later entry is queued), or being evicted already (its pin's end evicts it).
+            if lease is not None and lease.expires_at == at and lease.pending is None:
+                due.append(lease)
+        for lease in due:
+            if lease.lease_id in self.leases:
+                self._evict(lease, EvictionReason.TTL_EXPIRED)
         deadline = now - self.limits.engine_ttl_s
         for engine_id in [e for e, rec in self.engines.items() if rec.last_seen <= deadline]:
             self._drop_engine(engine_id, now)

@@ -106,6 +106,11 @@ class SizeResult:
     turn_ms: dict[str, float] = field(default_factory=dict)
     writes_per_turn: dict[str, float] = field(default_factory=dict)
     keepalive_writes_per_engine: float = 0.0
+    publish_blocks_per_s: float = 0.0
+    """Retained blocks published per second of the fill (the core's ``publish``, leases of ``--blocks-per-lease``)."""
+    cache_events_per_s: float = 0.0
+    """Block events (stored keys, then as many removed) applied per second by the core's ``report_cache_events``,
+    in batches of 512 keys over up to 64 engines."""
     decisions: dict[str, int] = field(default_factory=dict)
     errors: int = 0
 
@@ -162,6 +167,7 @@ async def run_size(engines: int, blocks: int, args: argparse.Namespace) -> SizeR
         del raw, keys, ids
     state.take_changes()
     result.fill_s = round(time.perf_counter() - started, 2)
+    result.publish_blocks_per_s = round((blocks // per) * per / max(result.fill_s, 1e-9))
     result.bytes_per_block = round((_rss() - before) / max(1, blocks), 1)
     sessions = [(lease.engine_id, lease.session_id, list(lease.keys), list(lease.block_ids))
                 for lease in state.leases.values()]
@@ -175,6 +181,20 @@ async def run_size(engines: int, blocks: int, args: argparse.Namespace) -> SizeR
                     time.time())
         samples.append((time.perf_counter() - t0) * 1e3)
     result.core_place_ms = {q: round(quantile(samples, v), 3) for q, v in (("p50", 0.5), ("p99", 0.99))}
+
+    # Ingestion: KV cache events of up to 64 engines, 512 keys a batch, stored then removed (the soft index's work).
+    batch_keys = 512
+    feeders = decodes[:64]
+    batches = [[rng.randbytes(32) for _ in range(batch_keys)] for _ in range(8)]
+    events, t0 = 0, time.perf_counter()
+    for round_ in range(8):
+        for eid in feeders:
+            state.report_cache_events(eid, "", 2 * round_ + 1, reset=False, cleared=False, stored=batches[round_],
+                                      removed=[])
+            state.report_cache_events(eid, "", 2 * round_ + 2, reset=False, cleared=False, stored=[],
+                                      removed=batches[round_])
+            events += 2 * batch_keys
+    result.cache_events_per_s = round(events / (time.perf_counter() - t0))
 
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     stub = broker_pb2_grpc.KVBrokerStub(channel)
@@ -269,7 +289,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"  fill {r.fill_s}s, {r.bytes_per_block} B/block; Place over gRPC p50 {r.place_ms['p50']} ms "
               f"p99 {r.place_ms['p99']} ms (core alone p50 {r.core_place_ms['p50']} p99 {r.core_place_ms['p99']}); "
               f"turn p50 {r.turn_ms['p50']} p99 {r.turn_ms['p99']} ms; writes/turn {r.writes_per_turn}; "
-              f"keep-alive writes/engine {r.keepalive_writes_per_engine}; {r.decisions}; errors {r.errors}",
+              f"keep-alive writes/engine {r.keepalive_writes_per_engine}; "
+              f"publish {r.publish_blocks_per_s:.0f} blocks/s, cache events {r.cache_events_per_s:.0f}/s; "
+              f"{r.decisions}; errors {r.errors}",
               flush=True)
     report: dict[str, Any] = {"workload": {
         "blocks_per_lease": args.blocks_per_lease, "block_size": BLOCK_SIZE, "turns": args.turns,
