@@ -189,9 +189,9 @@ async def run_size(engines: int, blocks: int, args: argparse.Namespace) -> SizeR
     events, t0 = 0, time.perf_counter()
     for round_ in range(8):
         for eid in feeders:
-            state.report_cache_events(eid, "", 2 * round_ + 1, reset=False, cleared=False, stored=batches[round_],
-                                      removed=[])
-            state.report_cache_events(eid, "", 2 * round_ + 2, reset=False, cleared=False, stored=[],
+            state.report_cache_events(eid, "scale", 2 * round_ + 1, reset=False, cleared=False,
+                                      stored=batches[round_], removed=[])
+            state.report_cache_events(eid, "scale", 2 * round_ + 2, reset=False, cleared=False, stored=[],
                                       removed=batches[round_])
             events += 2 * batch_keys
     result.cache_events_per_s = round(events / (time.perf_counter() - t0))
