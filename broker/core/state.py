@@ -579,13 +579,7 @@ class BrokerState:
         k = self.placement_policy.least_loaded_candidates
         for role in ("prefill", "decode"):
             chosen.update(self.fleet.least_loaded(layout, role, k, chosen.__contains__, by_kv=totals is not None))
-        records = [self.engines[e] for e in sorted(chosen) if e in self.engines]
-        if totals is None:
-            return records
-        return [dataclasses.replace(rec, load=dataclasses.replace(
-                    rec.load, running_requests=totals.get(rec.info.engine_id, 0), waiting_requests=0,
-                    queued_prefill_tokens=tokens.get(rec.info.engine_id, 0)))
-                for rec in records]
+        return self.engines_as_placed(now, sorted(e for e in chosen if e in self.engines))
 
     def lease_matches(self, request: PlaceInput) -> tuple[list[Match], str]:
         """The leases sharing the longest usable prefix with the request, and the engine of the session's latest
@@ -623,22 +617,24 @@ class BrokerState:
         self.in_flight.report(router, {e: n for e, n in counts.items() if e in self.engines}, now,
                               {e: n for e, n in (tokens or {}).items() if e in self.engines})
 
-    def engines_as_placed(self, now: float) -> list[EngineRecord]:
-        """The live engines with the load placement prices: where routers count their requests in flight, those
-        counts replace the sidecars' (older) running and waiting figures, and their tokens not yet computed are
-        the engines' queues; KV usage, pressure and rates stay."""
+    def engines_as_placed(self, now: float, engine_ids: Iterable[str] | None = None) -> list[EngineRecord]:
+        """The live engines (``engine_ids`` of them, else all) with the load placement prices: where routers count
+        their requests in flight, those counts replace the sidecars' (older) running and waiting figures, and their
+        tokens not yet computed are the engines' queues; KV usage, pressure and rates stay."""
+        ids = list(self.engines) if engine_ids is None else engine_ids
         totals = self.in_flight.totals(now)
         if totals is None:
-            return list(self.engines.values())
+            return [self.engines[e] for e in ids]
         tokens = self.in_flight.token_totals(now) or {}
-        return [dataclasses.replace(rec, load=dataclasses.replace(
-                    rec.load, running_requests=totals.get(engine_id, 0), waiting_requests=0,
-                    queued_prefill_tokens=tokens.get(engine_id, 0)))
-                for engine_id, rec in self.engines.items()]
+        return [dataclasses.replace(self.engines[e], load=dataclasses.replace(
+                    self.engines[e].load, running_requests=totals.get(e, 0), waiting_requests=0,
+                    queued_prefill_tokens=tokens.get(e, 0)))
+                for e in ids]
 
     def cached_prefixes(self, request: PlaceInput) -> dict[str, int]:
         """Per live engine of the request's layout, how many leading blocks of ``request.keys`` its own prefix
-        cache holds (the soft index); engines holding none are left out."""
+        cache holds (the soft index); engines holding none are left out. Each engine asked in turn: placement walks
+        the soft index's key-to-engines map instead (``SoftIndex.prefixes``); this is its oracle in the tests."""
         cached: dict[str, int] = {}
         if not request.keys:
             return cached
