@@ -530,15 +530,11 @@ class BrokerState:
         """Expire pins, then leases, then engines whose keep-alive stopped."""
         for pin in [p for p in self.pins.values() if p.expires_at <= now]:
             self._unpin(pin.pin_id, now)
-        due: list[Lease] = []
         while self._expiry and self._expiry[0][0] <= now:
             at, lease_id = heapq.heappop(self._expiry)
             lease = self.leases.get(lease_id)
             # Skipped: gone, renewed (its later entry is queued), or being evicted already (its pin's end evicts it).
             if lease is not None and lease.expires_at == at and lease.pending is None:
-                due.append(lease)
-        for lease in due:
-            if lease.lease_id in self.leases:
                 self._evict(lease, EvictionReason.TTL_EXPIRED)
         deadline = now - self.limits.engine_ttl_s
         for engine_id in [e for e, rec in self.engines.items() if rec.last_seen <= deadline]:
@@ -560,26 +556,24 @@ class BrokerState:
         layout = (request.layout_fingerprint, request.block_size)
         members = self.fleet.members(layout)
         cached = {e: n for e, n in self.soft.prefixes(request.keys).items() if e in members}
-        return place(request, self._candidates(layout, matches, session_engine, cached, now), matches,
+        return place(request, self._candidates(layout, members, matches, session_engine, cached, now), matches,
                      self.placement_policy, session_engine, cached=cached, fleet_rate=self.fleet.median_rate(layout))
 
-    def _candidates(self, layout: tuple[str, int], matches: Sequence[Match], session_engine: str,
+    def _candidates(self, layout: tuple[str, int], members: set[str], matches: Sequence[Match], session_engine: str,
                     cached: Mapping[str, int], now: float) -> list[EngineRecord]:
         """The engines placement prices, with the load it prices (:meth:`engines_as_placed`): the prefix's holders,
         the session's engine, and the least loaded few of each role that hold nothing. Where routers count their
         requests, every engine they have one on is priced too (its load is theirs), and the few are the idle ones of
         least KV usage, whose placed load is just that. Within a layout group of alike engines this prices the same
         cheapest plan as all of them would (tests/unit/test_core_scale.py checks it against the whole fleet)."""
-        members = self.fleet.members(layout)
         chosen = set(cached) | {m.lease.engine_id for m in matches} | {session_engine}
-        totals = self.in_flight.totals(now)
-        tokens = self.in_flight.token_totals(now) or {} if totals is not None else {}
+        totals, tokens = self._in_flight_totals(now)
         if totals is not None:
             chosen |= {e for e in (*totals, *tokens) if e in members}
         k = self.placement_policy.least_loaded_candidates
         for role in ("prefill", "decode"):
             chosen.update(self.fleet.least_loaded(layout, role, k, chosen.__contains__, by_kv=totals is not None))
-        return self.engines_as_placed(now, sorted(e for e in chosen if e in self.engines))
+        return self._placed(sorted(e for e in chosen if e in self.engines), totals, tokens)
 
     def lease_matches(self, request: PlaceInput) -> tuple[list[Match], str]:
         """The leases sharing the longest usable prefix with the request, and the engine of the session's latest
@@ -617,15 +611,21 @@ class BrokerState:
         self.in_flight.report(router, {e: n for e, n in counts.items() if e in self.engines}, now,
                               {e: n for e, n in (tokens or {}).items() if e in self.engines})
 
-    def engines_as_placed(self, now: float, engine_ids: Iterable[str] | None = None) -> list[EngineRecord]:
-        """The live engines (``engine_ids`` of them, else all) with the load placement prices: where routers count
-        their requests in flight, those counts replace the sidecars' (older) running and waiting figures, and their
-        tokens not yet computed are the engines' queues; KV usage, pressure and rates stay."""
-        ids = list(self.engines) if engine_ids is None else engine_ids
+    def engines_as_placed(self, now: float) -> list[EngineRecord]:
+        """The live engines with the load placement prices: where routers count their requests in flight, those
+        counts replace the sidecars' (older) running and waiting figures, and their tokens not yet computed are
+        the engines' queues; KV usage, pressure and rates stay. All of them: placement's oracle in the tests."""
+        return self._placed(list(self.engines), *self._in_flight_totals(now))
+
+    def _in_flight_totals(self, now: float) -> tuple[dict[str, int] | None, dict[str, int]]:
+        """The routers' requests and prompt tokens in flight per engine; requests None where no router counts."""
         totals = self.in_flight.totals(now)
+        return totals, (self.in_flight.token_totals(now) or {}) if totals is not None else {}
+
+    def _placed(self, ids: Iterable[str], totals: dict[str, int] | None,
+                tokens: dict[str, int]) -> list[EngineRecord]:
         if totals is None:
             return [self.engines[e] for e in ids]
-        tokens = self.in_flight.token_totals(now) or {}
         return [dataclasses.replace(self.engines[e], load=dataclasses.replace(
                     self.engines[e].load, running_requests=totals.get(e, 0), waiting_requests=0,
                     queued_prefill_tokens=tokens.get(e, 0)))
@@ -692,5 +692,5 @@ class BrokerState:
             return [EvictionCommand(seq=last, engine_id=engine_id, lease_id="", block_ids=(),
                                     reason=EvictionReason.RESYNC,
                                     live_lease_ids=tuple(self.engine_lease_ids(engine_id)))]
-        upto = durable_seq if pending and durable_seq is not None else last
+        upto = last if durable_seq is None else min(last, durable_seq)
         return [cmd for cmd in log if after_seq < cmd.seq <= upto]
