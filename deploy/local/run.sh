@@ -79,9 +79,32 @@ case "$cmd" in
     # The engine tests' model (about a minute of training on a fresh clone) builds beside the checks and the tests
     # without engines, which run first; the engine tests' fixture waits for it (a file lock in cached_model).
     "$VENV/bin/python" -m tests.support.models > .kvloop/model-setup.log 2>&1 &
-    echo "== ruff"; "$VENV/bin/ruff" check .
-    echo "== mypy"; "$VENV/bin/mypy"
-    echo "== pytest"; exec "$VENV/bin/pytest" -q "$@"
+    if [ $# -gt 0 ]; then  # a developer's selection: one pytest, after the checks
+      echo "== ruff"; "$VENV/bin/ruff" check .
+      echo "== mypy"; "$VENV/bin/mypy"
+      echo "== pytest"; exec "$VENV/bin/pytest" -q "$@"
+    fi
+    # The whole suite in three lanes side by side, because the two cores are half idle while the checks and the
+    # tests without engines run (single-threaded), and the engine tests first wait for the model: the checks; the
+    # tests without vLLM engines (-m "not vllm"); the engine tests (-m vllm), one at a time, as their memory and
+    # cores allow. A test is in exactly one of the two pytest lanes (a marker is on or off). Each lane's lines carry its
+    # name; the command fails when any lane fails.
+    lane() {
+      local name=$1; shift
+      { "$@" 2>&1; echo $? > ".kvloop/lane-$name.rc"; } | sed -u "s/^/[$name] /"
+    }
+    rm -f .kvloop/lane-*.rc
+    lane checks sh -c '"$0/bin/ruff" check . && "$0/bin/mypy"' "$VENV" &
+    lane plain "$VENV/bin/pytest" -q -p no:cacheprovider -m "not vllm" &
+    lane engines "$VENV/bin/pytest" -q -m vllm &
+    wait
+    status=0
+    for name in checks plain engines; do
+      rc=$(cat ".kvloop/lane-$name.rc" 2>/dev/null || echo 1)
+      echo "== lane $name: exit $rc"
+      [ "$rc" = 0 ] || status=1
+    done
+    exit $status
     ;;
   *)
     echo "usage: $0 up|test [args...]" >&2

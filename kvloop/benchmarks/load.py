@@ -39,7 +39,7 @@ import os
 import resource
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +103,8 @@ async def start(name: str, model: Path, work: Path, size: Sizing, timeout_s: flo
     elif name == "one_way":
         def configs(broker: str) -> list[Any]:
             prefills = [engine_config(model, work, "prefill", i, connector="kvloop", broker=broker, size=size,
-                                      blocks=size.prefill_blocks, extra=BASELINE_EXTRA) for i in range(2)]
+                                      blocks=size.prefill_blocks, extra=BASELINE_EXTRA)
+                        for i in range(size.prefill_engines)]
             return [*prefills, engine_config(model, work, "decode", 2, connector="kvloop", broker=broker,
                                              size=size, blocks=None, extra=BASELINE_EXTRA)]
 
@@ -283,7 +284,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     else:
         max_prompt = load_for(args, max(loads), None).history_tokens()  # type: ignore[union-attr]
         concurrency = int(max(loads))
-    size = sizing(max_prompt, concurrency)
+    size = replace(sizing(max_prompt, concurrency), prefill_engines=args.prefill_engines)
     configs: dict[str, Any] = {}
     for name in [n for n in args.configs.split(",") if n]:
         print(f"== {name}: engines starting", flush=True)
@@ -351,6 +352,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace-slow", type=float, default=3.0, help="the trace's clock slowed this many times")
     parser.add_argument("--trace-seconds", type=float, default=60.0, help="the first this many seconds of it")
     parser.add_argument("--trace-concurrency", type=int, default=64, help="most requests in flight in a replay")
+    parser.add_argument("--prefill-engines", type=int, default=2, help="prefill engines of kvloop's and one-way's "
+                        "P/D topology (1..8; the CI run uses 1: fewer engines to start, the same checks)")
     parser.add_argument("--timeout-s", type=float, default=120.0, help="a request's deadline")
     parser.add_argument("--point-timeout-s", type=float, default=1200.0, help="one load point's deadline")
     parser.add_argument("--seed", type=int, default=0)
@@ -373,6 +376,8 @@ def validate(args: argparse.Namespace) -> str:
         return "--loads: positive, increasing, no repeats"
     if not args.trace and any(v != int(v) for v in loads):
         return "--loads: whole numbers of concurrent sessions"
+    if not 1 <= args.prefill_engines <= 8:
+        return "--prefill-engines: must be within 1..8"
     if args.trace is not None and not args.trace.is_file():
         return f"--trace: no file {args.trace}"
     if args.ttft_slo_ms <= 0 or args.itl_slo_ms <= 0:

@@ -33,7 +33,7 @@ import statistics
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +99,9 @@ class Sizing:
     decode_blocks: int | None
     retention_fraction: float
     notes: dict[str, Any] = field(default_factory=dict)
+    prefill_engines: int = 2
+    """Prefill engines of every P/D configuration (``--prefill-engines``); the decode engine keeps the id
+    ``decode-2`` whatever their number."""
 
 
 def sizing(conversations: list[Conversation], answer: int, concurrency: int, pressure: bool) -> Sizing:
@@ -158,7 +161,7 @@ async def start_config(name: str, model: Path, work: Path, size: Sizing, timeout
     """``records``: the kvloop router's per-turn records file (``kvloop analyze``)."""
     def pd(connector: str, broker: str, extra: dict[str, Any]) -> list[EngineConfig]:
         prefills = [engine_config(model, work, "prefill", i, connector=connector, broker=broker, size=size,
-                                  blocks=size.prefill_blocks, extra=extra) for i in range(2)]
+                                  blocks=size.prefill_blocks, extra=extra) for i in range(size.prefill_engines)]
         return [*prefills, engine_config(model, work, "decode", 2, connector=connector, broker=broker, size=size,
                                          blocks=size.decode_blocks, extra=extra)]
 
@@ -521,7 +524,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         this: dict[str, dict[str, Any]] = {}
         for name in names:
             pressure = name in PRESSURE
-            size = sizing(conversations, args.answer_tokens, args.concurrency, pressure)
+            size = replace(sizing(conversations, args.answer_tokens, args.concurrency, pressure),
+                           prefill_engines=args.prefill_engines)
             sizes["pressure" if pressure else "default"] = size.notes
             print(f"== {name}: engines starting", flush=True)
             run = await run_config(name, repeat, model, work, conversations, size, args)
@@ -588,6 +592,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--answer-tokens", type=int, default=32, help="long and replay: answer tokens per turn")
     parser.add_argument("--think-time-s", type=float, default=0.0, help="long and replay: pause between turns")
     parser.add_argument("--concurrency", type=int, default=a.concurrency, help="sessions in flight at once")
+    parser.add_argument("--prefill-engines", type=int, default=2, help="prefill engines of each P/D configuration "
+                        "(1..8; the CI run uses 1: fewer engines to start, the same checks)")
     parser.add_argument("--late-tokens", type=int, default=LATE_TOKENS, help="a turn is late from this context")
     parser.add_argument("--seed", type=int, default=a.seed)
     parser.add_argument("--replay", type=Path, default=None, help="JSONL of OpenAI chat conversations to replay")
@@ -605,6 +611,9 @@ def main(args: argparse.Namespace) -> int:
     if unknown or args.repeat < 1:
         print(f"kvloop bench multiturn: --configs: unknown {unknown}; choose from {list(CONFIGS)}" if unknown else
               "kvloop bench multiturn: --repeat must be at least 1", file=sys.stderr)
+        return 2
+    if not 1 <= args.prefill_engines <= 8:
+        print("kvloop bench multiturn: --prefill-engines must be within 1..8", file=sys.stderr)
         return 2
     try:
         if not args.replay:

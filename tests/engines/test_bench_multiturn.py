@@ -65,7 +65,7 @@ def test_small_multiturn_run_writes_the_promised_json(tiny_model: Path, tmp_path
         [sys.executable, "-m", "kvloop.cli", "bench", "multiturn", "--model", str(tiny_model), "--sessions", "2",
          "--turns-min", "3", "--turns-max", "3", "--system-tokens", "200", "--tool-median", "60", "--tool-max", "90",
          "--answer-min", "8", "--answer-max", "8", "--concurrency", "2", "--late-tokens", "300",
-         "--timeout-s", "120",
+         "--timeout-s", "120", "--prefill-engines", "1",
          # No think time: each turn follows the previous answer at once, and the router waits for that answer's
          # lease to be published (router/recent.py); without that wait a turn could recompute (seen once in CI).
          "--think-min-s", "0", "--think-max-s", "0",

@@ -24,7 +24,7 @@ def test_two_load_points_kvloop_beside_the_aggregated_engine(tiny_model: Path, t
     argv = [sys.executable, "-m", "kvloop.cli", "bench", "load", "--model", str(tiny_model),
             "--configs", "kvloop,aggregated", "--loads", "1,2", "--turns", "3", "--system-tokens", "300",
             "--user-tokens", "100", "--answer-tokens", "16", "--min-requests", "9", "--sessions-per-load", "2",
-            "--think-ms", "100", "--work-dir", str(tmp_path / "w"), "--out", str(out)]
+            "--think-ms", "100", "--prefill-engines", "1", "--work-dir", str(tmp_path / "w"), "--out", str(out)]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=1200, stdin=subprocess.DEVNULL,
                           env=dict(os.environ))
     assert done.returncode == 0 and out.exists(), done.stdout[-3000:] + done.stderr[-3000:]

@@ -5,38 +5,43 @@ an idle reader then re-read the shared-memory flag only every 5 s. kvloop's queu
 between steps, so lost notifications stalled requests and streams for ~5 s. On an engine bound to one core, as
 kvloop binds its decode engine, this load had 41 and 25 of 60 requests over 1 s in two runs before the fix, 0
 and 0 after (slowest time to first token 0.65-0.74 s); the test runs half that load (30 requests), where those
-rates would stall 12-20. ``engines.connector.patches.cap_ipc_spin`` bounds the
-park.
+rates would stall 12-20. ``engines.connector.patches.cap_ipc_spin`` bounds the park.
+
+It drives the shared decode engine (kvloop's connector, bound to the decode core, the launcher's default cap)
+directly, not through the router: a decode engine also serves plain requests (the DECODE_LOCAL path), and the
+probe needs no engine of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from kvloop.benchmarks.stall_probe import ProbeShape, probe, summary
-from kvloop.engine_set import start_engines
-from kvloop.engines.config import EngineConfig, role_cores
+from kvloop.engines.config import role_cores
+
+if TYPE_CHECKING:
+    from tests.engines.conftest import PDEngines
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 BOUND_S = 1.5
 """Far under the 5 s of a lost wake-up, with room over the 0.74 s slowest turn measured here on one core."""
+SHAPE = ProbeShape(sessions=3, turns=10, max_prompt_tokens=3840)
+"""Prompts of 1.5k-3.8k tokens and answers of at most 256 within the shared engines' 4096-token context."""
 
 
-def test_concurrent_streams_never_wait_on_a_lost_wake_up(tiny_model: Path, tmp_path: Path) -> None:
-    """Three concurrent streamed sessions of growing prompts (1.5k-4k tokens, 32-256 tokens each answer, 0.2-1.5 s
-    between turns) against an aggregated engine started by kvloop's launcher with its default queue-spin cap, on
-    the decode engines' core: no time to first token and no gap between two streamed tokens over BOUND_S."""
-    config = EngineConfig(role="both", model=tiny_model, dtype="float32", max_model_len=8192, work_dir=tmp_path,
-                          connector="none", engine_id="wakeups",
-                          omp_threads_bind=role_cores("decode"))
+def test_concurrent_streams_never_wait_on_a_lost_wake_up(pd_engines: PDEngines) -> None:
+    """Three concurrent streamed sessions of growing prompts (32-256 tokens each answer, 0.2-1.5 s between turns)
+    against the decode engine: no time to first token and no gap between two streamed tokens over BOUND_S."""
+    decode = pd_engines.decode
+    config = decode.plan.config
     assert config.ipc_spin_s < 1  # the cap under test is on (vLLM's own spin is 1 s)
-    with start_engines([config], timeout_s=600) as engines:
-        engine = engines.engines[0]
-        requests = asyncio.run(probe(engine.url, tiny_model.name, ProbeShape(sessions=3, turns=10)))
+    assert config.resolved_omp_threads_bind() == role_cores("decode")
+    assert SHAPE.max_prompt_tokens + SHAPE.answer_tokens[1] <= 4096
+    requests = asyncio.run(probe(decode.url, pd_engines.model_name, SHAPE))
     figures = summary(requests, BOUND_S)
     print(f"\nqueue wake-ups: {figures}")
     stalled = [r for r in requests if r.ttft_s > BOUND_S or r.max_gap_s > BOUND_S]

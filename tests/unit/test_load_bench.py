@@ -106,7 +106,7 @@ def test_ratios_against_the_aggregated_engine_are_withheld_where_a_side_is_unhea
 @pytest.mark.parametrize(("argv", "field"), [
     (["--configs", "kvloop,nope"], "--configs"), (["--loads", "8,4"], "--loads"), (["--loads", "x"], "--loads"),
     (["--loads", "1.5"], "--loads"), (["--ttft-slo-ms", "0"], "--ttft-slo-ms"), (["--turns", "0"], "--turns"),
-    (["--trace", "/no/such/file"], "--trace"),
+    (["--trace", "/no/such/file"], "--trace"), (["--prefill-engines", "0"], "--prefill-engines"),
 ])
 def test_bad_arguments_are_named(argv: list[str], field: str) -> None:
     parser = argparse.ArgumentParser()
