@@ -3,7 +3,7 @@ and a YAML key (``broker``); see :mod:`kvloop.shared.config`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvloop.shared.auth import check_token_file
@@ -18,7 +18,12 @@ class RouterConfig(ServiceConfig):
     ENV_PREFIX = "KVLOOP_ROUTER_"
 
     listen: str = setting("127.0.0.1:8080", "HTTP address of the OpenAI-compatible API, host:port (0 = a free port)")
-    broker: str = setting("", "broker address(es) host:port, comma-separated (required)")
+    broker: str = setting("", "broker address(es) host:port, comma-separated (required, unless pools)")
+    pools: str = setting("", "one broker group per model, for a router in front of several model pools: "
+                             "MODEL=HOST:PORT[,HOST:PORT...] entries separated by ';' (each pool's replicas); "
+                             "requests go to their model's pool, each placed by its own broker group. With pools, "
+                             "broker, model, tokenizer and the fallback URLs stay unset (each pool's engines "
+                             "tokenize); the broker TLS and token settings serve every pool (one trust root)")
     prefill_urls: str = setting("", "fallback prefill engine base URLs, comma-separated, used when the broker "
                                     "is unreachable and knows none (engines are normally learned from it)")
     decode_urls: str = setting("", "fallback decode engine base URLs, comma-separated")
@@ -69,8 +74,14 @@ class RouterConfig(ServiceConfig):
 
     def validate(self) -> None:
         parse_host_port(self.listen, "listen")
-        self._require(bool(self.broker.strip()) or bool(self.prefill_urls and self.decode_urls), "broker",
-                      "is required (or both prefill_urls and decode_urls)")
+        if self.pools.strip():
+            for name in ("broker", "model", "tokenizer", "prefill_urls", "decode_urls"):
+                self._require(not str(getattr(self, name)).strip(), name, "must be unset with pools (each pool "
+                                                                            "names its model and broker group)")
+            self.pool_brokers()
+        else:
+            self._require(bool(self.broker.strip()) or bool(self.prefill_urls and self.decode_urls), "broker",
+                          "is required (or both prefill_urls and decode_urls, or pools)")
         for address in self.broker.split(","):
             if address.strip():
                 parse_host_port(address.strip(), "broker")
@@ -105,6 +116,26 @@ class RouterConfig(ServiceConfig):
                 raise ConfigError(f"api_key_file: {self.api_key_file} holds no key", field="api_key_file")
             keys += found
         return [key.encode() for key in keys]
+
+    def pool_brokers(self) -> dict[str, str]:
+        """``pools`` as model name -> its broker group's addresses (comma-separated); {} without pools. Raises
+        ConfigError naming ``pools`` for an entry that is not MODEL=HOST:PORT[,...] or a model named twice."""
+        out: dict[str, str] = {}
+        for entry in (e.strip() for e in self.pools.split(";")):
+            if not entry:
+                continue
+            model, eq, addresses = (part.strip() for part in entry.partition("="))
+            listed = [a.strip() for a in addresses.split(",") if a.strip()]
+            self._require(bool(eq and model and listed), "pools", f"entry {entry!r} is not MODEL=HOST:PORT[,...]")
+            self._require(model not in out, "pools", f"model {model!r} is named twice")
+            for address in listed:
+                parse_host_port(address, "pools")
+            out[model] = ",".join(listed)
+        return out
+
+    def for_pool(self, model: str, brokers: str) -> RouterConfig:
+        """This router's settings for one pool: its model and broker group, everything else shared."""
+        return replace(self, pools="", model=model, broker=brokers)
 
     def open_path_set(self) -> frozenset[str]:
         return frozenset(p.strip() for p in self.open_paths.split(",") if p.strip())

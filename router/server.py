@@ -124,10 +124,13 @@ def validate(kind: str, body: Any, model: str) -> dict[str, Any]:
 class RunningRouter:
     config: RouterConfig
     runner: TurnRunner
+    """The one pool's turn runner (with ``pools``: the first pool's)."""
     web_runner: web.AppRunner
     port: int
-    _refresher: asyncio.Task[None]
+    _refresher: asyncio.Future[Any]
     _http: aiohttp.ClientSession
+    runners: dict[str, TurnRunner]
+    """Model name -> its pool's turn runner; one entry (keyed by ``config.model``, maybe "") without pools."""
 
     @property
     def url(self) -> str:
@@ -139,14 +142,28 @@ class RunningRouter:
         log.info("router.stopping")
         self._refresher.cancel()
         await self.web_runner.cleanup()  # stops accepting, lets in-flight requests finish (shutdown_timeout)
-        await self.runner.close()
+        for runner in self.runners.values():
+            await runner.close()
         await self._http.close()
         log.info("router.stopped")
 
 
 class RouterApp:
-    def __init__(self, config: RouterConfig, runner: TurnRunner, metrics: RouterMetrics) -> None:
-        self.config, self.runner, self.metrics = config, runner, metrics
+    def __init__(self, config: RouterConfig, runners: dict[str, TurnRunner], metrics: RouterMetrics) -> None:
+        self.config, self.runners, self.metrics = config, runners, metrics
+        self.pooled = bool(config.pools.strip())
+
+    def runner_for(self, body: dict[str, Any]) -> TurnRunner:
+        """The turn runner of the request's model: its pool's with ``pools`` (an unknown model is a 404 naming
+        the served ones), else the one runner (``validate`` checked the model)."""
+        if not self.pooled:
+            return next(iter(self.runners.values()))
+        runner = self.runners.get(body["model"])
+        if runner is None:
+            raise TurnError(404, f"model: the model '{body['model']}' does not exist (this router serves "
+                                 f"{', '.join(repr(m) for m in sorted(self.runners))})", "invalid_request_error",
+                            "model")
+        return runner
 
     async def read_body(self, request: web.Request) -> Any:
         if request.content_length is not None and request.content_length > self.config.max_request_bytes:
@@ -174,33 +191,35 @@ class RouterApp:
         endpoint = "chat" if kind == "chat" else "completions"
         try:
             body = validate(kind, await self.read_body(request), self.served_model())
-            turn = await self.runner.prepare(kind, body, session_hint(request, body))
+            runner = self.runner_for(body)
+            turn = await runner.prepare(kind, body, session_hint(request, body))
         except TurnError as exc:
             self.metrics.requests.labels(endpoint, str(exc.status)).inc()
             return error_response(exc)
         if not body.get("stream"):
             try:
-                reply = await self.runner.decode_json(turn)
+                reply = await runner.decode_json(turn)
             except TurnError as exc:
-                self.runner.finish(turn, output_tokens=0, ttft_s=time.perf_counter() - turn.started,
+                runner.finish(turn, output_tokens=0, ttft_s=time.perf_counter() - turn.started,
                                    error=exc.message)
                 self.metrics.requests.labels(endpoint, str(exc.status)).inc()
                 return error_response(exc)
             usage = reply.get("usage") or {}
             if turn.plan.decode_local:
                 turn.outcome.report = report_from_usage(usage, turn.plan.prompt_tokens)
-            self.runner.finish(turn, output_tokens=int(usage.get("completion_tokens", 0)),
-                               ttft_s=time.perf_counter() - turn.started)
+            runner.finish(turn, output_tokens=int(usage.get("completion_tokens", 0)),
+                          ttft_s=time.perf_counter() - turn.started)
             self.metrics.requests.labels(endpoint, "200").inc()
             return web.json_response(reply, headers=decision_headers(turn))
-        return await self.stream(request, turn, endpoint)
+        return await self.stream(request, runner, turn, endpoint)
 
-    async def stream(self, request: web.Request, turn: Turn, endpoint: str) -> web.StreamResponse:
+    async def stream(self, request: web.Request, runner: TurnRunner, turn: Turn, endpoint: str
+                     ) -> web.StreamResponse:
         response: web.StreamResponse | None = None
         ttft = 0.0
         chunks = 0
         try:
-            async for line in self.runner.decode_stream(turn):
+            async for line in runner.decode_stream(turn):
                 if response is None:
                     first_ms = (time.time_ns() - turn.outcome.decode_started_ns) / 1e6
                     turn.outcome.timings_ms["decode_first"] = round(first_ms, 3)
@@ -217,7 +236,7 @@ class RouterApp:
                     await response.write(measured_comment(turn))
                 await response.write(line)
         except TurnError as exc:
-            self.runner.finish(turn, output_tokens=0, ttft_s=time.perf_counter() - turn.started,
+            runner.finish(turn, output_tokens=0, ttft_s=time.perf_counter() - turn.started,
                                error=exc.message)
             self.metrics.requests.labels(endpoint, str(exc.status)).inc()
             if response is None:
@@ -225,31 +244,41 @@ class RouterApp:
             await response.write(f"data: {json.dumps(exc.body())}\n\n".encode())
             return response
         except (ConnectionResetError, aiohttp.ClientError) as exc:
-            self.runner.finish(turn, output_tokens=chunks, ttft_s=ttft, error=f"stream broke: {exc}")
+            runner.finish(turn, output_tokens=chunks, ttft_s=ttft, error=f"stream broke: {exc}")
             raise
-        self.runner.finish(turn, output_tokens=chunks, ttft_s=ttft or time.perf_counter() - turn.started)
+        runner.finish(turn, output_tokens=chunks, ttft_s=ttft or time.perf_counter() - turn.started)
         self.metrics.requests.labels(endpoint, "200").inc()
         assert response is not None
         await response.write_eof()
         return response
 
     async def models(self, request: web.Request) -> web.Response:
-        names = {self.config.model} if self.config.model else self.runner.directory.models()
-        if not names:
-            for engine in self.runner.directory.of_role("decode"):
-                with contextlib.suppress(Exception):
-                    async with self.runner.http.get(f"{engine.http}/v1/models",
-                                                    timeout=aiohttp.ClientTimeout(total=5)) as reply:
-                        names |= {m["id"] for m in (await reply.json()).get("data", [])}
-                    break
+        if self.pooled:
+            names = set(self.runners)
+        else:
+            runner = next(iter(self.runners.values()))
+            names = {self.config.model} if self.config.model else runner.directory.models()
+            if not names:
+                for engine in runner.directory.of_role("decode"):
+                    with contextlib.suppress(Exception):
+                        async with runner.http.get(f"{engine.http}/v1/models",
+                                                   timeout=aiohttp.ClientTimeout(total=5)) as reply:
+                            names |= {m["id"] for m in (await reply.json()).get("data", [])}
+                        break
         return web.json_response({"object": "list", "data": [
             {"id": name, "object": "model", "created": 0, "owned_by": "kvloop"} for name in sorted(names)]})
 
     async def health(self, request: web.Request) -> web.Response:
-        prefill, decode = self.runner.directory.of_role("prefill"), self.runner.directory.of_role("decode")
-        ok = bool(prefill and decode)
-        return web.json_response({"status": "ok" if ok else "no engines", "prefill": len(prefill),
-                                  "decode": len(decode)}, status=200 if ok else 503)
+        """200 when every pool has a prefill and a decode engine; the counts (per pool with ``pools``)."""
+        counts = {model: {"prefill": len(r.directory.of_role("prefill")), "decode": len(r.directory.of_role("decode"))}
+                  for model, r in self.runners.items()}
+        ok = all(c["prefill"] and c["decode"] for c in counts.values())
+        body: dict[str, Any] = {"status": "ok" if ok else "no engines"}
+        if self.pooled:
+            body["pools"] = counts
+        else:
+            body.update(next(iter(counts.values())))
+        return web.json_response(body, status=200 if ok else 503)
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.metrics.registry), headers={"content-type": CONTENT_TYPE_LATEST})
@@ -298,9 +327,12 @@ async def start_router(config: RouterConfig) -> RunningRouter:
     config.validate()
     metrics = RouterMetrics()
     http = aiohttp.ClientSession(connector=engine_client_connector(256))
-    runner = TurnRunner(config, http, metrics)
-    await runner.refresh()
-    app = RouterApp(config, runner, metrics)
+    pools = config.pool_brokers()
+    runners = ({model: TurnRunner(config.for_pool(model, brokers), http, metrics) for model, brokers in pools.items()}
+               if pools else {config.model: TurnRunner(config, http, metrics)})
+    await asyncio.gather(*(r.refresh() for r in runners.values()))
+    runner = next(iter(runners.values()))
+    app = RouterApp(config, runners, metrics)
     keys = config.api_keys()
     middlewares = [api_key_middleware(keys, config.open_path_set(), metrics)] if keys else []
     web_app = web.Application(client_max_size=config.max_request_bytes + 1024, middlewares=middlewares)
@@ -315,14 +347,15 @@ async def start_router(config: RouterConfig) -> RunningRouter:
     site = web.TCPSite(web_runner, host, port, ssl_context=ssl_context)
     await site.start()
     bound = web_runner.addresses[0][1]
-    refresher = asyncio.create_task(runner.refresh_forever())
+    refresher: asyncio.Future[Any] = asyncio.gather(*(r.refresh_forever() for r in runners.values()))
     if config.port_file:
         write_port_file(config.port_file, bound)
     log.info("router.listening", address=f"{host}:{bound}", broker=config.broker or None,
-             engines=len(runner.directory.engines), api_key=bool(keys),
+             pools={m: r.config.broker for m, r in runners.items()} if pools else None,
+             engines=sum(len(r.directory.engines) for r in runners.values()), api_key=bool(keys),
              tls="mutual" if server_tls.mutual else "server" if server_tls.enabled else "off",
              broker_tls=TlsFiles.of(config, "broker_tls_").enabled)
-    return RunningRouter(config, runner, web_runner, bound, refresher, http)
+    return RunningRouter(config, runner, web_runner, bound, refresher, http, runners)
 
 
 async def serve(config: RouterConfig) -> None:

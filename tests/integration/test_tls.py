@@ -22,7 +22,6 @@ import aiohttp
 import grpc
 import pytest
 import pytest_asyncio
-from aiohttp import web
 
 from kvloop.router.config import RouterConfig
 from kvloop.router.server import RunningRouter, start_router
@@ -35,6 +34,7 @@ from kvloop.v1 import broker_pb2_grpc
 from tests.integration.conftest import ModuleBrokerFactory
 from tests.integration.helpers import SERVICE, StreamReader, engine, place_request, poll, publish_request, tokens
 from tests.integration.tlscerts import Issued, TestCA
+from tests.support.fake_engine import FakeEngine
 from tests.support.sidecar_fakes import FakeConnector, hello, retained, running_sidecar
 
 pytestmark = pytest.mark.slow
@@ -339,46 +339,6 @@ async def test_sidecar_registers_over_mtls_and_a_wrong_identity_is_refused(mtls_
 
 
 # The router: HTTPS (with client certificates) and the API key, in front of a fake engine.
-
-class FakeEngine:
-    """A fake OpenAI engine: /tokenize gives one token per character, completions answer "ok"."""
-
-    def __init__(self) -> None:
-        self.runner: web.AppRunner | None = None
-        self.url = ""
-        self.calls = 0
-
-    async def tokenize(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        text = json.dumps(body.get("messages") or body.get("prompt"))
-        return web.json_response({"tokens": [ord(c) % 256 for c in text], "count": len(text)})
-
-    async def complete(self, request: web.Request) -> web.Response:
-        self.calls += 1
-        body = await request.json()
-        choice: dict[str, Any] = {"index": 0, "finish_reason": "stop"}
-        if "messages" in body:
-            choice["message"] = {"role": "assistant", "content": "ok"}
-        else:
-            choice["text"] = "ok"
-        return web.json_response({"id": "fake-1", "object": "chat.completion", "model": body.get("model"),
-                                  "choices": [choice], "kv_transfer_params": {},
-                                  "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}})
-
-    async def start(self) -> None:
-        app = web.Application()
-        app.add_routes([web.post("/tokenize", self.tokenize), web.post("/v1/chat/completions", self.complete),
-                        web.post("/v1/completions", self.complete)])
-        self.runner = web.AppRunner(app, access_log=None)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
-
-    async def stop(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()
-
 
 @pytest_asyncio.fixture(loop_scope="session")
 async def fake_engine() -> AsyncIterator[FakeEngine]:
