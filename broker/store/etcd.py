@@ -10,6 +10,10 @@ Records are bucketed by deadline (``bucket_s``) so a few etcd leases serve many 
 
 Every write is a transaction guarded by ``leader == <this replica>``: a replica that lost leadership
 without noticing cannot overwrite its successor's state (fencing).
+
+A replica that becomes leader reads the records in pages (``LOAD_PAGE_KEYS``) at one revision: one read of every
+lease failed once the leases passed gRPC's 4 MiB message limit (about 58k retained blocks), so no replica could
+take over (``tests/integration/test_broker_etcd.py::test_a_new_leader_loads_more_state_than_one_message_holds``).
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aetcd
+import aetcd.rpc
+import aetcd.utils
+import grpc
 import structlog
 
 from kvloop.broker.core import Changes, Lease
@@ -32,9 +39,16 @@ from kvloop.shared.errors import Unavailable
 log = structlog.get_logger("kvloop.broker.etcd")
 
 
+LOAD_PAGE_KEYS = 128
+"""Records per range read of a load. etcd refuses a put over its ``--max-request-bytes`` (1.5 MiB by default), so a
+page holds at most 192 MiB, within ``MAX_RECEIVE_BYTES``; typical pages (128-block leases, 9 KiB each) about 1 MiB."""
+MAX_RECEIVE_BYTES = 256 * 2**20
+
+
 def connect(endpoint: str, timeout_s: float = 5.0) -> aetcd.Client:
     host, _, port = endpoint.rpartition(":")
-    return aetcd.Client(host=host or "127.0.0.1", port=int(port), timeout=timeout_s)
+    return aetcd.Client(host=host or "127.0.0.1", port=int(port), timeout=timeout_s,
+                        options={"grpc.max_receive_message_length": MAX_RECEIVE_BYTES})
 
 
 class EtcdStore:
@@ -61,13 +75,30 @@ class EtcdStore:
     async def load(self) -> Snapshot:
         raw: dict[bytes, list[bytes]] = {}
         try:
+            await self._client.connect()
+            revision = 0
             for kind in (b"engines", b"leases", b"pins"):
-                raw[kind] = [kv.value for kv in await self._client.get_prefix(self._prefix + kind + b"/")]
-        except aetcd.exceptions.ClientError as exc:
+                raw[kind], revision = await self._read_prefix(self._prefix + kind + b"/", revision)
+        except (aetcd.exceptions.ClientError, grpc.aio.AioRpcError) as exc:
             raise Unavailable(f"etcd: cannot load broker state: {exc}") from exc
         return Snapshot(engines=[codec.decode_engine(v) for v in raw[b"engines"]],
                         leases=[codec.decode_lease(v) for v in raw[b"leases"]],
                         pins=[codec.decode_pin(v) for v in raw[b"pins"]])
+
+    async def _read_prefix(self, prefix: bytes, revision: int) -> tuple[list[bytes], int]:
+        """Every value under ``prefix``, ``LOAD_PAGE_KEYS`` a read, all at ``revision`` (0: the current one, which
+        is returned for the next reads): the pages add up to one consistent snapshot."""
+        values: list[bytes] = []
+        start, end = prefix, aetcd.utils.prefix_range_end(prefix)
+        while True:
+            request = aetcd.rpc.RangeRequest(key=start, range_end=end, limit=LOAD_PAGE_KEYS, revision=revision)
+            reply = await self._client.kvstub.Range(request, timeout=self._client._timeout,
+                                                    metadata=self._client.metadata)
+            revision = revision or reply.header.revision
+            values += [kv.value for kv in reply.kvs]
+            if not reply.more or not reply.kvs:
+                return values, revision
+            start = reply.kvs[-1].key + b"\0"  # etcd returns keys in order: the next page starts after the last
 
     async def _etcd_lease(self, deadline: float, now: float) -> int:
         bucket = math.ceil(deadline / self._bucket_s)

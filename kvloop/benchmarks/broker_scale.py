@@ -8,6 +8,8 @@ plays ``--turns`` turns over gRPC with ``--concurrency`` clients, each turn the 
 calls: ``Place`` (strict P/D, pinned, so the plan is a TRANSFER of a session's lease), ``CompleteTransfer``, and
 ``PublishLease`` of the session grown by one block (which supersedes the old lease). It reports:
 
+- a new leader's rebuild time (:func:`rebuild`): the store's records decoded and loaded, and the soft index
+  from the engines' re-sent mirrors;
 - placement p50/p99 as a client sees it over gRPC, and of the core's ``place`` alone;
 - broker memory per retained block: the process's RSS growth over the fill, divided by the blocks;
 - store writes per turn: the records the runtime hands the store (puts and deletes) and the transactions an etcd
@@ -54,6 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=1, help="concurrent gRPC clients (default 1: the clients "
                         "share this process's event loop with the server, so more measure queueing behind each "
                         "other; more also let the runtime's group commit merge writes)")
+    parser.add_argument("--etcd-load", action=argparse.BooleanOptionalAction, default=False,
+                        help="also write the state's records into a real etcd this run starts (loopback, a temporary "
+                             "directory) and time a replica's load of them (the new leader's read; ~10 s of writes "
+                             "per million blocks)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
 
@@ -111,6 +117,11 @@ class SizeResult:
     cache_events_per_s: float = 0.0
     """Block events (stored keys, then as many removed) applied per second by the core's ``report_cache_events``,
     in batches of 512 keys over up to 64 engines."""
+    rebuild_s: dict[str, float] = field(default_factory=dict)
+    """A new leader's rebuild after the old one died (:func:`rebuild`): decoding the store's records, loading
+    them into a fresh state, the soft index from every decode engine's re-sent mirror, and their total."""
+    store_mb: float = 0.0
+    """The engine and lease records as the etcd store encodes them (``broker/store/codec.py``), in MB."""
     decisions: dict[str, int] = field(default_factory=dict)
     errors: int = 0
 
@@ -195,6 +206,9 @@ async def run_size(engines: int, blocks: int, args: argparse.Namespace) -> SizeR
                                       removed=batches[round_])
             events += 2 * batch_keys
     result.cache_events_per_s = round(events / (time.perf_counter() - t0))
+    result.store_mb, result.rebuild_s = rebuild(runtime, state, decodes)
+    if args.etcd_load:
+        result.rebuild_s["etcd_load"] = await etcd_load(state)
 
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     stub = broker_pb2_grpc.KVBrokerStub(channel)
@@ -252,6 +266,67 @@ async def run_size(engines: int, blocks: int, args: argparse.Namespace) -> SizeR
     return result
 
 
+def rebuild(runtime: Any, state: Any, decodes: list[str]) -> tuple[float, dict[str, float]]:
+    """What a new leader does before it places again, timed: decode the records an etcd store holds (every engine
+    and lease, encoded as ``broker/store/codec.py`` writes them), load them into a fresh state (the leases'
+    key-to-holders index is built here), then take every decode engine's re-sent prefix-cache mirror (a reset
+    holding the keys it retains, as its sidecar re-sends them on a resync) into the soft index. Not timed: etcd's
+    range read itself, and the mirrors' gRPC calls (each a ``ReportCacheEvents``; per-call cost as Place's)."""
+    from kvloop.broker.store.codec import decode_engine, decode_lease, encode_engine, encode_lease
+
+    engine_records = [encode_engine(rec) for rec in state.engines.values()]
+    lease_records = [encode_lease(lease) for lease in state.leases.values()]
+    mirrors: dict[str, list[bytes]] = {}
+    for lease in state.leases.values():
+        mirrors.setdefault(lease.engine_id, []).extend(lease.keys)
+    size_mb = round((sum(map(len, engine_records)) + sum(map(len, lease_records))) / 2**20, 1)
+    t0 = time.perf_counter()
+    engines = [decode_engine(raw) for raw in engine_records]
+    leases = [decode_lease(raw) for raw in lease_records]
+    t1 = time.perf_counter()
+    fresh = runtime.new_state()
+    fresh.load(engines, leases, [])
+    t2 = time.perf_counter()
+    for eid in decodes:
+        fresh.report_cache_events(eid, "scale", 1, reset=True, cleared=False, stored=mirrors.get(eid, []),
+                                  removed=[])
+    t3 = time.perf_counter()
+    if len(fresh.leases) != len(state.leases):
+        raise AssertionError(f"rebuild: {len(fresh.leases)} leases loaded of {len(state.leases)}")
+    del engine_records, lease_records, engines, leases, mirrors, fresh
+    return size_mb, {"decode_records": round(t1 - t0, 2), "load": round(t2 - t1, 2),
+                     "soft_index": round(t3 - t2, 2), "total": round(t3 - t0, 2)}
+
+
+async def etcd_load(state: Any) -> float:
+    """Seconds a replica's ``EtcdStore.load`` takes (paged range reads at one revision, then decoding) for the
+    state's engine and lease records, written first into a real etcd on loopback that this call starts and stops."""
+    import tempfile
+
+    from kvloop.broker.store import codec
+    from kvloop.broker.store.etcd import EtcdStore, connect
+    from kvloop.shared import procs
+
+    with tempfile.TemporaryDirectory(prefix="kvloop-scale-etcd-") as tmp:
+        etcd = await asyncio.to_thread(procs.start_etcd, Path(tmp) / "data", Path(tmp))
+        client = connect(etcd.extra["endpoint"], 60.0)
+        try:
+            for kind, records in (("engines", {r.info.engine_id: codec.encode_engine(r)
+                                               for r in state.engines.values()}),
+                                  ("leases", {x.lease_id: codec.encode_lease(x) for x in state.leases.values()})):
+                for key, raw in records.items():
+                    await client.put(f"/kvloop/{kind}/{key}".encode(), raw)
+            t0 = time.perf_counter()
+            snapshot = await EtcdStore(client, "/kvloop/", "scale-bench").load()
+            took = round(time.perf_counter() - t0, 2)
+            if len(snapshot.leases) != len(state.leases):
+                raise AssertionError(f"etcd load: {len(snapshot.leases)} leases of {len(state.leases)}")
+            return took
+        finally:
+            await client.close()
+            await asyncio.to_thread(etcd.stop)
+
+
 def growth(results: list[SizeResult]) -> list[dict[str, Any]]:
     """Each size's figures over the previous size's."""
     out = []
@@ -291,6 +366,7 @@ def main(args: argparse.Namespace) -> int:
               f"turn p50 {r.turn_ms['p50']} p99 {r.turn_ms['p99']} ms; writes/turn {r.writes_per_turn}; "
               f"keep-alive writes/engine {r.keepalive_writes_per_engine}; "
               f"publish {r.publish_blocks_per_s:.0f} blocks/s, cache events {r.cache_events_per_s:.0f}/s; "
+              f"new leader's rebuild {r.rebuild_s} s from {r.store_mb} MB of records; "
               f"{r.decisions}; errors {r.errors}",
               flush=True)
     report: dict[str, Any] = {"workload": {

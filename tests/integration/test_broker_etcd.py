@@ -203,3 +203,34 @@ async def test_failover_to_the_follower(start_broker: ModuleBrokerFactory, etcd_
             await client.close()
         for b in brokers.values():
             await b.close()
+
+
+async def test_a_new_leader_loads_more_state_than_one_message_holds(etcd_endpoint: str, etcd_prefix: str) -> None:
+    """Leases whose records add up to more than gRPC's 4 MiB message limit (one unpaged read of them failed, so no
+    replica could take over past about 58k retained blocks): a replica's load reads them all, in pages, at one
+    revision. The records are written as the store lays them out (``leases/<id>``, codec JSON)."""
+    import random
+
+    from kvloop.broker.core import Lease
+    from kvloop.broker.store import codec
+    from kvloop.broker.store.etcd import LOAD_PAGE_KEYS, EtcdStore, connect
+
+    client = connect(etcd_endpoint, 30.0)
+    rng = random.Random(0)
+    now = time.time()
+    written = 0
+    leases = 600  # 128 blocks each: 76,800 blocks, about 5.4 MiB of records
+    try:
+        for i in range(leases):
+            lease = Lease(lease_id=f"l{i:04d}", engine_id=f"d{i % 8}", session_id=f"s{i}",
+                          keys=tuple(rng.randbytes(32) for _ in range(128)), block_ids=tuple(range(128)),
+                          num_tokens=128 * BS, ttl_s=600.0, expires_at=now + 600, last_used=now, created_at=now)
+            raw = codec.encode_lease(lease)
+            written += len(raw)
+            await client.put(f"{etcd_prefix}leases/{lease.lease_id}".encode(), raw)
+        assert written > 4 * 2**20 and leases > LOAD_PAGE_KEYS
+        snapshot = await EtcdStore(client, etcd_prefix, "reader").load()
+        assert sorted(x.lease_id for x in snapshot.leases) == [f"l{i:04d}" for i in range(leases)]
+        assert all(len(x.keys) == 128 for x in snapshot.leases) and snapshot.engines == [] == snapshot.pins
+    finally:
+        await client.close()

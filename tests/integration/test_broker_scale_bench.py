@@ -1,4 +1,5 @@
-"""``kvloop bench broker-scale`` end to end at a tiny size: the real core, runtime and gRPC service on loopback."""
+"""``kvloop bench broker-scale`` end to end at a tiny size: the real core, runtime and gRPC service on loopback, and
+a real etcd for the new leader's load."""
 
 from __future__ import annotations
 
@@ -6,7 +7,11 @@ import argparse
 import json
 from pathlib import Path
 
+import pytest
+
 from kvloop.benchmarks import broker_scale
+
+pytestmark = [pytest.mark.slow, pytest.mark.etcd]
 
 
 def test_a_tiny_run_reports_every_figure(tmp_path: Path) -> None:
@@ -14,7 +19,7 @@ def test_a_tiny_run_reports_every_figure(tmp_path: Path) -> None:
     broker_scale.add_arguments(parser)
     out = tmp_path / "scale.json"
     args = parser.parse_args(["--engines", "16", "--blocks", "8192", "--steps", "2", "--blocks-per-lease", "64",
-                              "--turns", "40", "--out", str(out)])
+                              "--turns", "40", "--etcd-load", "--out", str(out)])
     assert broker_scale.main(args) == 0
     report = json.loads(out.read_text())
     sizes = report["sizes"]
@@ -25,4 +30,7 @@ def test_a_tiny_run_reports_every_figure(tmp_path: Path) -> None:
         assert 0 < size["place_ms"]["p50"] <= size["place_ms"]["p99"]
         assert size["publish_blocks_per_s"] > 0 and size["cache_events_per_s"] > 0
         assert size["writes_per_turn"]["etcd_transactions"] > 0
+        rebuild = size["rebuild_s"]  # the rebuild itself checks it loaded every lease
+        assert size["store_mb"] > 0 and rebuild["total"] >= max(rebuild["load"], rebuild["soft_index"]) >= 0
+        assert rebuild["etcd_load"] > 0  # a real etcd's paged read of every record (it checks the lease count)
     assert len(report["growth"]) == 1
