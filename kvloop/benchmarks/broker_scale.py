@@ -295,8 +295,9 @@ def rebuild(runtime: Any, state: Any, decodes: list[str]) -> tuple[float, dict[s
     if len(fresh.leases) != len(state.leases):
         raise AssertionError(f"rebuild: {len(fresh.leases)} leases loaded of {len(state.leases)}")
     del engine_records, lease_records, engines, leases, mirrors, fresh
-    return size_mb, {"decode_records": round(t1 - t0, 2), "load": round(t2 - t1, 2),
-                     "soft_index": round(t3 - t2, 2), "total": round(t3 - t0, 2)}
+    # Four decimals: a tiny run's rebuild takes milliseconds, and a zero would read as "not measured".
+    return size_mb, {"decode_records": round(t1 - t0, 4), "load": round(t2 - t1, 4),
+                     "soft_index": round(t3 - t2, 4), "total": round(t3 - t0, 4)}
 
 
 async def etcd_load(state: Any) -> float:
@@ -319,7 +320,7 @@ async def etcd_load(state: Any) -> float:
                     await client.put(f"/kvloop/{kind}/{key}".encode(), raw)
             t0 = time.perf_counter()
             snapshot = await EtcdStore(client, "/kvloop/", "scale-bench").load()
-            took = round(time.perf_counter() - t0, 2)
+            took = round(time.perf_counter() - t0, 4)
             if len(snapshot.leases) != len(state.leases):
                 raise AssertionError(f"etcd load: {len(snapshot.leases)} leases of {len(state.leases)}")
             return took
