@@ -40,7 +40,7 @@ KV_ROLE_OF_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "k
 CONNECTORS: dict[str, dict[str, str]] = {
     # Upstream vLLM 0.32's NIXL connector (NixlPullConnector), as it ships.
     "nixl": {"kv_connector": "NixlConnector"},
-    # kvloop's subclass of it (engines/connector.py); keeps the class name NixlConnector on purpose.
+    # kvloop's subclass of it (the kvloop.engines.connector package); keeps the class name NixlConnector on purpose.
     "kvloop": {"kv_connector": "NixlConnector", "kv_connector_module_path": "kvloop.engines.connector"},
     # No KV connector: an aggregated engine that never transfers (kvloop bench multiturn's `ideal`).
     "none": {},

@@ -26,8 +26,8 @@ from tests.support.models import session_model
 
 ENGINE_START_TIMEOUT_S = 600.0  # ~70 s for both on an idle 2-core machine; far more when it is shared
 # Upstream's 30 s lease on the prefill's blocks can run out before the decode engine's first NIXL
-# handshake on a loaded 2-core machine; the decode engine then waits forever (upstream bug, see
-# engines/connector.py). Give the test room.
+# handshake on a loaded 2-core machine; the decode engine then waits forever (an upstream bug). Give the
+# test room.
 EXTRA_CONFIG = '{"kv_lease_duration": 180}'
 # Broker settings for the engine tests: leases live long unless a test expires them; engines keep alive
 # every second (a killed engine's sidecar deregisters it at once; a silent one goes after 10 s); matches
