@@ -1,8 +1,8 @@
 """The engine sidecar against a real broker process, with a fake connector on its Unix socket.
 
 ``FakeConnector`` speaks the connector's side of ``kvloop.v1.EngineLink`` the way the connector
-(``kvloop.engines.connector.link``) does (hello, retained, freed) and records the commands it gets; everything else is real: the sidecar's
-gRPC server, the broker, leases, TTL expiry, the eviction stream. ``EngineLinkClient`` (the connector's
+(``kvloop.engines.connector.link``) does (hello, retained, freed) and records the commands it gets; everything
+else is real: the sidecar's gRPC server, the broker, leases, TTL expiry, the eviction stream. ``EngineLinkClient`` (the connector's
 thread) is tested against the real sidecar too.
 """
 
