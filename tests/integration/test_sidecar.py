@@ -2,8 +2,8 @@
 
 ``FakeConnector`` speaks the connector's side of ``kvloop.v1.EngineLink`` the way the connector
 (``kvloop.engines.connector.link``) does (hello, retained, freed) and records the commands it gets; everything
-else is real: the sidecar's gRPC server, the broker, leases, TTL expiry, the eviction stream. ``EngineLinkClient`` (the connector's
-thread) is tested against the real sidecar too.
+else is real: the sidecar's gRPC server, the broker, leases, TTL expiry, the eviction stream.
+``EngineLinkClient`` (the connector's thread) is tested against the real sidecar too.
 """
 
 from __future__ import annotations
