@@ -123,14 +123,17 @@ def validate(kind: str, body: Any, model: str) -> dict[str, Any]:
 @dataclass
 class RunningRouter:
     config: RouterConfig
-    runner: TurnRunner
-    """The one pool's turn runner (with ``pools``: the first pool's)."""
+    runners: dict[str, TurnRunner]
+    """Model name -> its pool's turn runner; one entry (keyed by ``config.model``, maybe "") without pools."""
     web_runner: web.AppRunner
     port: int
     _refresher: asyncio.Future[Any]
     _http: aiohttp.ClientSession
-    runners: dict[str, TurnRunner]
-    """Model name -> its pool's turn runner; one entry (keyed by ``config.model``, maybe "") without pools."""
+
+    @property
+    def runner(self) -> TurnRunner:
+        """The one pool's turn runner (with ``pools``: the first pool's)."""
+        return next(iter(self.runners.values()))
 
     @property
     def url(self) -> str:
@@ -200,8 +203,7 @@ class RouterApp:
             try:
                 reply = await runner.decode_json(turn)
             except TurnError as exc:
-                runner.finish(turn, output_tokens=0, ttft_s=time.perf_counter() - turn.started,
-                                   error=exc.message)
+                runner.finish(turn, output_tokens=0, ttft_s=time.perf_counter() - turn.started, error=exc.message)
                 self.metrics.requests.labels(endpoint, str(exc.status)).inc()
                 return error_response(exc)
             usage = reply.get("usage") or {}
@@ -236,8 +238,7 @@ class RouterApp:
                     await response.write(measured_comment(turn))
                 await response.write(line)
         except TurnError as exc:
-            runner.finish(turn, output_tokens=0, ttft_s=time.perf_counter() - turn.started,
-                               error=exc.message)
+            runner.finish(turn, output_tokens=0, ttft_s=time.perf_counter() - turn.started, error=exc.message)
             self.metrics.requests.labels(endpoint, str(exc.status)).inc()
             if response is None:
                 return error_response(exc)
@@ -331,7 +332,6 @@ async def start_router(config: RouterConfig) -> RunningRouter:
     runners = ({model: TurnRunner(config.for_pool(model, brokers), http, metrics) for model, brokers in pools.items()}
                if pools else {config.model: TurnRunner(config, http, metrics)})
     await asyncio.gather(*(r.refresh() for r in runners.values()))
-    runner = next(iter(runners.values()))
     app = RouterApp(config, runners, metrics)
     keys = config.api_keys()
     middlewares = [api_key_middleware(keys, config.open_path_set(), metrics)] if keys else []
@@ -355,7 +355,7 @@ async def start_router(config: RouterConfig) -> RunningRouter:
              engines=sum(len(r.directory.engines) for r in runners.values()), api_key=bool(keys),
              tls="mutual" if server_tls.mutual else "server" if server_tls.enabled else "off",
              broker_tls=TlsFiles.of(config, "broker_tls_").enabled)
-    return RunningRouter(config, runner, web_runner, bound, refresher, http, runners)
+    return RunningRouter(config, runners, web_runner, bound, refresher, http)
 
 
 async def serve(config: RouterConfig) -> None:
