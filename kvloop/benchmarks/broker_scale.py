@@ -267,16 +267,26 @@ async def run_size(engines: int, blocks: int, args: argparse.Namespace) -> SizeR
     return result
 
 
+def store_records(state: Any) -> dict[str, dict[str, bytes]]:
+    """The records an etcd store holds for ``state``'s engines and leases: kind -> id -> ``broker/store/codec.py``
+    JSON, laid out as ``broker/store/etcd.py`` keys them (``engines/<id>``, ``leases/<id>``)."""
+    from kvloop.broker.store import codec
+
+    return {"engines": {rec.info.engine_id: codec.encode_engine(rec) for rec in state.engines.values()},
+            "leases": {lease.lease_id: codec.encode_lease(lease) for lease in state.leases.values()}}
+
+
 def rebuild(runtime: Any, state: Any, decodes: list[str]) -> tuple[float, dict[str, float]]:
     """What a new leader does before it places again, timed: decode the records an etcd store holds (every engine
     and lease, encoded as ``broker/store/codec.py`` writes them), load them into a fresh state (the leases'
     key-to-holders index is built here), then take every decode engine's re-sent prefix-cache mirror (a reset
     holding the keys it retains, as its sidecar re-sends them on a resync) into the soft index. Not timed: etcd's
     range read itself, and the mirrors' gRPC calls (each a ``ReportCacheEvents``; per-call cost as Place's)."""
-    from kvloop.broker.store.codec import decode_engine, decode_lease, encode_engine, encode_lease
+    from kvloop.broker.store.codec import decode_engine, decode_lease
 
-    engine_records = [encode_engine(rec) for rec in state.engines.values()]
-    lease_records = [encode_lease(lease) for lease in state.leases.values()]
+    records = store_records(state)
+    engine_records, lease_records = list(records["engines"].values()), list(records["leases"].values())
+    del records
     mirrors: dict[str, list[bytes]] = {}
     for lease in state.leases.values():
         mirrors.setdefault(lease.engine_id, []).extend(lease.keys)
@@ -305,7 +315,6 @@ async def etcd_load(state: Any) -> float:
     state's engine and lease records, written first into a real etcd on loopback that this call starts and stops."""
     import tempfile
 
-    from kvloop.broker.store import codec
     from kvloop.broker.store.etcd import EtcdStore, connect
     from kvloop.shared import procs
 
@@ -313,9 +322,7 @@ async def etcd_load(state: Any) -> float:
         etcd = await asyncio.to_thread(procs.start_etcd, Path(tmp) / "data", Path(tmp))
         client = connect(etcd.extra["endpoint"], 60.0)
         try:
-            for kind, records in (("engines", {r.info.engine_id: codec.encode_engine(r)
-                                               for r in state.engines.values()}),
-                                  ("leases", {x.lease_id: codec.encode_lease(x) for x in state.leases.values()})):
+            for kind, records in store_records(state).items():
                 for key, raw in records.items():
                     await client.put(f"/kvloop/{kind}/{key}".encode(), raw)
             t0 = time.perf_counter()
