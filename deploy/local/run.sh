@@ -95,7 +95,7 @@ case "$cmd" in
     }
     rm -f .kvloop/lane-*.rc
     lane checks sh -c '"$0/bin/ruff" check . && "$0/bin/mypy"' "$VENV" &
-    # --durations: each lane names its slowest tests, where the suite's time goes (docs/analyze.md has the budget).
+    # --durations: each lane names its slowest tests, where the suite's time goes (docs/architecture.md says what bounds it).
     lane plain "$VENV/bin/pytest" -q -p no:cacheprovider -m "not vllm" --durations=5 &
     lane engines "$VENV/bin/pytest" -q -m vllm --durations=15 &
     wait

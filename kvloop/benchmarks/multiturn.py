@@ -104,6 +104,14 @@ class Sizing:
     ``decode-2`` whatever their number."""
 
 
+PREFILL_ENGINES_HELP = "prefill engines of each P/D configuration (1..8; the CI run uses 1: fewer engines to start)"
+
+
+def prefill_engines_problem(n: int) -> str:
+    """``--prefill-engines`` checked for both benchmarks: "" when within 1..8, else the message naming the flag."""
+    return "" if 1 <= n <= 8 else "--prefill-engines: must be within 1..8"
+
+
 def sizing(conversations: list[Conversation], answer: int, concurrency: int, pressure: bool) -> Sizing:
     """Prefill engines: room for ``concurrency`` longest prompts (none waits for blocks only a timeout frees), and
     at least a quarter of the histories (their prefix caches churn as in production). Under pressure the decode
@@ -592,8 +600,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--answer-tokens", type=int, default=32, help="long and replay: answer tokens per turn")
     parser.add_argument("--think-time-s", type=float, default=0.0, help="long and replay: pause between turns")
     parser.add_argument("--concurrency", type=int, default=a.concurrency, help="sessions in flight at once")
-    parser.add_argument("--prefill-engines", type=int, default=2, help="prefill engines of each P/D configuration "
-                        "(1..8; the CI run uses 1: fewer engines to start, the same checks)")
+    parser.add_argument("--prefill-engines", type=int, default=2, help=PREFILL_ENGINES_HELP)
     parser.add_argument("--late-tokens", type=int, default=LATE_TOKENS, help="a turn is late from this context")
     parser.add_argument("--seed", type=int, default=a.seed)
     parser.add_argument("--replay", type=Path, default=None, help="JSONL of OpenAI chat conversations to replay")
@@ -612,8 +619,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"kvloop bench multiturn: --configs: unknown {unknown}; choose from {list(CONFIGS)}" if unknown else
               "kvloop bench multiturn: --repeat must be at least 1", file=sys.stderr)
         return 2
-    if not 1 <= args.prefill_engines <= 8:
-        print("kvloop bench multiturn: --prefill-engines must be within 1..8", file=sys.stderr)
+    if prefill_engines_problem(args.prefill_engines):
+        print(f"kvloop bench multiturn: {prefill_engines_problem(args.prefill_engines)}", file=sys.stderr)
         return 2
     try:
         if not args.replay:

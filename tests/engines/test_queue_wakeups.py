@@ -40,7 +40,7 @@ def test_concurrent_streams_never_wait_on_a_lost_wake_up(pd_engines: PDEngines) 
     config = decode.plan.config
     assert config.ipc_spin_s < 1  # the cap under test is on (vLLM's own spin is 1 s)
     assert config.resolved_omp_threads_bind() == role_cores("decode")
-    assert SHAPE.max_prompt_tokens + SHAPE.answer_tokens[1] <= 4096
+    assert SHAPE.max_prompt_tokens + SHAPE.answer_tokens[1] <= config.max_model_len
     requests = asyncio.run(probe(decode.url, pd_engines.model_name, SHAPE))
     figures = summary(requests, BOUND_S)
     print(f"\nqueue wake-ups: {figures}")
