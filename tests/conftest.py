@@ -6,6 +6,9 @@ Everything started here is stopped at teardown, even when a test fails.
 
 from __future__ import annotations
 
+import json
+import os
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -48,3 +51,26 @@ def start_broker(tmp_path: Path) -> Iterator[BrokerFactory]:
     yield start
     for proc in reversed(started):
         proc.stop()
+
+
+def _busy_core_seconds() -> float:
+    """Machine-wide busy CPU time so far (every core's user, nice, system, irq and softirq ticks), in seconds."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in fields[:7])
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    """With ``KVLOOP_TEST_CPU_LOG=FILE``: one JSON line per test (wall seconds and the machine's busy core-seconds
+    over its setup, call and teardown), because the suite is bound by CPU work, and --durations shows only time."""
+    out = os.environ.get("KVLOOP_TEST_CPU_LOG")
+    if not out:
+        yield
+        return
+    t0, c0 = time.monotonic(), _busy_core_seconds()
+    yield
+    line = {"test": item.nodeid, "wall_s": round(time.monotonic() - t0, 1),
+            "core_s": round(_busy_core_seconds() - c0, 1)}
+    with open(out, "a") as f:
+        f.write(json.dumps(line) + "\n")
