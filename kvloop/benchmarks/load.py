@@ -49,8 +49,11 @@ from kvloop.benchmarks.load_stats import busy_share, cpu_times, knee, point_figu
 from kvloop.benchmarks.multiturn import (
     BASELINE_EXTRA,
     BLOCK,
+    CORES,
+    CORES_HELP,
     PREFILL_ENGINES_HELP,
     Sizing,
+    cores_record,
     engine_config,
     engine_snapshot,
     prefill_engines_problem,
@@ -59,7 +62,7 @@ from kvloop.benchmarks.multiturn import (
 from kvloop.benchmarks.stats import STALL_S, health, markdown_table, show
 from kvloop.cluster import LocalCluster
 from kvloop.engine_set import EngineSet
-from kvloop.engines.config import default_work_dir, role_cores, split_cores
+from kvloop.engines.config import default_work_dir, split_cores
 from kvloop.engines.model import ensure_tiny_model
 from kvloop.shared.http import metric_by_label, read_metrics
 
@@ -293,7 +296,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     else:
         max_prompt = load_for(args, max(loads), None).history_tokens()  # type: ignore[union-attr]
         concurrency = int(max(loads))
-    size = replace(sizing(max_prompt, concurrency), prefill_engines=args.prefill_engines)
+    size = replace(sizing(max_prompt, concurrency), prefill_engines=args.prefill_engines, cores=args.cores)
     configs: dict[str, Any] = {}
     for name in [n for n in args.configs.split(",") if n]:
         print(f"== {name}: engines starting", flush=True)
@@ -328,8 +331,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
               "configs": configs, "ratios": compare(configs), "markdown": table(configs), "workload": workload,
               "slo": asdict(args.slo), "loads": loads, "aiperf": aiperf.VERSION, "sizing": size.notes,
-              "engines": {"cores": {"prefill": role_cores("prefill"), "decode": role_cores("decode"),
-                                    BASELINE: "auto"}, "one_way_connector": BASELINE_EXTRA},
+              "engines": {"cores": {**cores_record(size.cores), BASELINE: "auto"}, "one_way_connector": BASELINE_EXTRA},
               "machine": {"cpus": len(os.sched_getaffinity(0)), "model": str(model)},
               "wall_seconds": round(time.monotonic() - started, 1)}
     if args.out:
@@ -362,6 +364,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace-seconds", type=float, default=60.0, help="the first this many seconds of it")
     parser.add_argument("--trace-concurrency", type=int, default=64, help="most requests in flight in a replay")
     parser.add_argument("--prefill-engines", type=int, default=2, help=PREFILL_ENGINES_HELP)
+    parser.add_argument("--cores", choices=CORES, default="split", help=CORES_HELP)
     parser.add_argument("--timeout-s", type=float, default=120.0, help="a request's deadline")
     parser.add_argument("--point-timeout-s", type=float, default=1200.0, help="one load point's deadline")
     parser.add_argument("--seed", type=int, default=0)

@@ -102,9 +102,26 @@ class Sizing:
     prefill_engines: int = 2
     """Prefill engines of every P/D configuration (``--prefill-engines``); the decode engine keeps the id
     ``decode-2`` whatever their number."""
+    cores: str = "split"
+    """``--cores``: ``split``, kvloop's engines on disjoint halves of the cores by role (:func:`role_cores`);
+    ``shared``, every engine on every core (the OS shares them), so a saturated role can use the cores the other
+    leaves idle."""
 
 
 PREFILL_ENGINES_HELP = "prefill engines of each P/D configuration (1..8; the CI run uses 1: fewer engines to start)"
+CORES = ("split", "shared")
+CORES_HELP = ("split: each role's engines on their own half of the cores (kvloop up's binding); shared: every "
+              "engine on every core")
+
+
+def role_binding(plan: str, role: str) -> str:
+    """The ``omp_threads_bind`` of a P/D engine of ``role`` under the ``--cores`` plan."""
+    return "auto" if plan == "shared" else role_cores(role)
+
+
+def cores_record(plan: str) -> dict[str, str]:
+    """What the benchmark's JSON says about the P/D engines' cores."""
+    return {"plan": plan, **{role: role_binding(plan, role) for role in ("prefill", "decode")}}
 
 
 def prefill_engines_problem(n: int) -> str:
@@ -154,7 +171,8 @@ def engine_config(model: Path, work: Path, role: str, index: int, *, connector: 
     return EngineConfig(role=role, model=model, engine_id=f"{role}-{index}", work_dir=work, connector=connector,
                         broker=broker, max_model_len=size.max_model_len,
                         extra_vllm_args=f"--num-gpu-blocks-override {blocks}" if blocks else "",
-                        retention_fraction=size.retention_fraction, omp_threads_bind=cores or role_cores(role),
+                        retention_fraction=size.retention_fraction,
+                        omp_threads_bind=cores or role_binding(size.cores, role),
                         kv_connector_extra_config=json.dumps(extra), log_level="warning")
 
 
@@ -513,8 +531,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                              "ttft": "client-side, to the first streamed token; upstream cannot stream (whole "
                                      "answer), its prefill-side TTFT is prefill_ttft_ms"},
                 "engines": {"baseline_connector": BASELINE_EXTRA, "upstream_connector": UPSTREAM_EXTRA,
-                            "cores": {"prefill": role_cores("prefill"), "decode": role_cores("decode"),
-                                      "ideal": "auto", "ideal_same_cores": role_cores("decode")},
+                            "cores": {**cores_record(args.cores), "ideal": "auto",
+                                      "ideal_same_cores": role_cores("decode")},
                             "health": {"factor": HEALTH_FACTOR, "turn_overhead_s": TURN_OVERHEAD_S,
                                        "stall_s": STALL_S}},
                 "machine": {"cpus": len(os.sched_getaffinity(0)), "model": str(model)},
@@ -533,7 +551,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         for name in names:
             pressure = name in PRESSURE
             size = replace(sizing(conversations, args.answer_tokens, args.concurrency, pressure),
-                           prefill_engines=args.prefill_engines)
+                           prefill_engines=args.prefill_engines, cores=args.cores)
             sizes["pressure" if pressure else "default"] = size.notes
             print(f"== {name}: engines starting", flush=True)
             run = await run_config(name, repeat, model, work, conversations, size, args)
@@ -601,6 +619,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--think-time-s", type=float, default=0.0, help="long and replay: pause between turns")
     parser.add_argument("--concurrency", type=int, default=a.concurrency, help="sessions in flight at once")
     parser.add_argument("--prefill-engines", type=int, default=2, help=PREFILL_ENGINES_HELP)
+    parser.add_argument("--cores", choices=CORES, default="split", help=CORES_HELP)
     parser.add_argument("--late-tokens", type=int, default=LATE_TOKENS, help="a turn is late from this context")
     parser.add_argument("--seed", type=int, default=a.seed)
     parser.add_argument("--replay", type=Path, default=None, help="JSONL of OpenAI chat conversations to replay")

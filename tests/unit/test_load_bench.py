@@ -13,6 +13,8 @@ from kvloop.benchmarks import aiperf
 from kvloop.benchmarks.aiperf import AgentLoad, Request, Slo, TraceLoad
 from kvloop.benchmarks.load import add_arguments, compare, scale_trace, validate
 from kvloop.benchmarks.load_stats import busy_share, cpu_times, knee, meets, point_figures
+from kvloop.benchmarks.multiturn import cores_record, role_binding
+from kvloop.engines.config import role_cores
 
 RECORD = {"metadata": {"conversation_id": "session_000001", "turn_index": 2, "request_start_ns": 1_000_000_000,
                        "request_end_ns": 1_500_000_000},
@@ -124,3 +126,13 @@ def test_the_tokenizer_is_named_as_a_cached_hub_repo_linked_to_the_model(tmp_pat
     assert name == "kvloop/tiny" and (repo / "refs" / "main").read_text() == "local"
     assert (repo / "snapshots" / "local" / "tokenizer.json").read_text() == "{}"
     assert aiperf.hub_tokenizer(model, tmp_path / "hf") == name  # again: the link is replaced, not an error
+
+
+def test_the_cores_plan_binds_p_d_engines_by_role_or_to_every_core() -> None:
+    assert [role_binding("split", r) for r in ("prefill", "decode")] == [role_cores("prefill"), role_cores("decode")]
+    assert cores_record("shared") == {"plan": "shared", "prefill": "auto", "decode": "auto"}
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args([]).cores == "split"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--cores", "half"])
