@@ -16,7 +16,7 @@ import pytest
 
 from kvloop.benchmarks.chaos_faults import KINDS
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.chaos]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 ROOT = Path(__file__).resolve().parents[2]
 
