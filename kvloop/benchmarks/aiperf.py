@@ -48,8 +48,13 @@ def ensure(root: Path) -> Path:
 
 def _install(env: Path) -> None:
     print(f"== installing AIPerf {VERSION} into {env} (once)", flush=True)
-    steps = [[sys.executable, "-m", "venv", "--clear", str(env)],
-             [str(env / "bin" / "python"), "-m", "pip", "install", "-q", f"aiperf=={VERSION}"]]
+    python = str(env / "bin" / "python")
+    # uv when set-up installed it beside this interpreter (deploy/local/run.sh): faster, and the install runs
+    # beside the first tests.
+    uv = Path(sys.executable).parent / "uv"
+    install = ([str(uv), "pip", "install", "--quiet", "--native-tls", "--python", python] if uv.is_file() else
+               [python, "-m", "pip", "install", "-q"])
+    steps = [[sys.executable, "-m", "venv", "--clear", str(env)], [*install, f"aiperf=={VERSION}"]]
     for argv in steps:
         done = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
         if done.returncode != 0:
