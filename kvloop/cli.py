@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -369,6 +370,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
     # gRPC's fork handlers print "Other threads are currently calling into gRPC, skipping fork() handlers" each
     # time this process starts an engine while a gRPC thread is busy; kvloop never uses gRPC across a fork (its
@@ -379,6 +384,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(join_dashed_values(sys.argv[1:] if argv is None else argv,
                                                 EngineConfig.dashed_value_flags()))
+    if getattr(args, "bench_command", None):
+        # A benchmark's engines and brokers are stopped in its finally blocks, which SIGTERM's default action skips
+        # (the engines, started from worker threads, would outlive it). SIGTERM stops a benchmark as Ctrl-C does.
+        signal.signal(signal.SIGTERM, _interrupt)
     try:
         return int(args.func(args))
     except ConfigError as exc:

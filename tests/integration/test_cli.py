@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -142,3 +143,18 @@ async def test_yaml_config_is_honoured_below_env_and_flags(start_broker: ModuleB
     finally:
         await b.close()
     assert '"policy": "lru"' in proc.log_tail()
+
+
+def test_sigterm_stops_a_benchmark_as_ctrl_c_does() -> None:
+    """SIGTERM's default action would skip the benchmark's finally blocks, which stop its engines and brokers."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvloop.cli", "bench", "broker-scale", "--engines", "1000",
+                             "--blocks", "1000000", "--steps", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=clean_env(), cwd=REPO, stdin=subprocess.DEVNULL)
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()  # it is running its first size: the handler is in place
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 130, (first, proc.stderr.read() if proc.stderr else "")
+    finally:
+        proc.kill()
+        proc.wait()
