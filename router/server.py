@@ -144,6 +144,8 @@ class RunningRouter:
     async def stop(self) -> None:
         log.info("router.stopping")
         self._refresher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):  # retrieved, so asyncio logs no "never retrieved"
+            await self._refresher
         await self.web_runner.cleanup()  # stops accepting, lets in-flight requests finish (shutdown_timeout)
         for runner in self.runners.values():
             await runner.close()
