@@ -49,10 +49,8 @@ from kvloop.benchmarks.load_stats import busy_share, cpu_times, knee, point_figu
 from kvloop.benchmarks.multiturn import (
     BASELINE_EXTRA,
     BLOCK,
-    CORES,
-    CORES_HELP,
-    PREFILL_ENGINES_HELP,
     Sizing,
+    add_topology_arguments,
     cores_record,
     engine_config,
     engine_snapshot,
@@ -363,8 +361,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace-slow", type=float, default=3.0, help="the trace's clock slowed this many times")
     parser.add_argument("--trace-seconds", type=float, default=60.0, help="the first this many seconds of it")
     parser.add_argument("--trace-concurrency", type=int, default=64, help="most requests in flight in a replay")
-    parser.add_argument("--prefill-engines", type=int, default=2, help=PREFILL_ENGINES_HELP)
-    parser.add_argument("--cores", choices=CORES, default="split", help=CORES_HELP)
+    add_topology_arguments(parser)
     parser.add_argument("--timeout-s", type=float, default=120.0, help="a request's deadline")
     parser.add_argument("--point-timeout-s", type=float, default=1200.0, help="one load point's deadline")
     parser.add_argument("--seed", type=int, default=0)
@@ -387,8 +384,8 @@ def validate(args: argparse.Namespace) -> str:
         return "--loads: positive, increasing, no repeats"
     if not args.trace and any(v != int(v) for v in loads):
         return "--loads: whole numbers of concurrent sessions"
-    if prefill_engines_problem(args.prefill_engines):
-        return prefill_engines_problem(args.prefill_engines)
+    if problem := prefill_engines_problem(args.prefill_engines):
+        return problem
     if args.trace is not None and not args.trace.is_file():
         return f"--trace: no file {args.trace}"
     if args.ttft_slo_ms <= 0 or args.itl_slo_ms <= 0:

@@ -124,6 +124,12 @@ def cores_record(plan: str) -> dict[str, str]:
     return {"plan": plan, **{role: role_binding(plan, role) for role in ("prefill", "decode")}}
 
 
+def add_topology_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--prefill-engines`` and ``--cores``, the P/D topology flags both benchmarks take."""
+    parser.add_argument("--prefill-engines", type=int, default=2, help=PREFILL_ENGINES_HELP)
+    parser.add_argument("--cores", choices=CORES, default="split", help=CORES_HELP)
+
+
 def prefill_engines_problem(n: int) -> str:
     """``--prefill-engines`` checked for both benchmarks: "" when within 1..8, else the message naming the flag."""
     return "" if 1 <= n <= 8 else "--prefill-engines: must be within 1..8"
@@ -618,8 +624,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--answer-tokens", type=int, default=32, help="long and replay: answer tokens per turn")
     parser.add_argument("--think-time-s", type=float, default=0.0, help="long and replay: pause between turns")
     parser.add_argument("--concurrency", type=int, default=a.concurrency, help="sessions in flight at once")
-    parser.add_argument("--prefill-engines", type=int, default=2, help=PREFILL_ENGINES_HELP)
-    parser.add_argument("--cores", choices=CORES, default="split", help=CORES_HELP)
+    add_topology_arguments(parser)
     parser.add_argument("--late-tokens", type=int, default=LATE_TOKENS, help="a turn is late from this context")
     parser.add_argument("--seed", type=int, default=a.seed)
     parser.add_argument("--replay", type=Path, default=None, help="JSONL of OpenAI chat conversations to replay")
@@ -638,8 +643,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"kvloop bench multiturn: --configs: unknown {unknown}; choose from {list(CONFIGS)}" if unknown else
               "kvloop bench multiturn: --repeat must be at least 1", file=sys.stderr)
         return 2
-    if prefill_engines_problem(args.prefill_engines):
-        print(f"kvloop bench multiturn: {prefill_engines_problem(args.prefill_engines)}", file=sys.stderr)
+    if problem := prefill_engines_problem(args.prefill_engines):
+        print(f"kvloop bench multiturn: {problem}", file=sys.stderr)
         return 2
     try:
         if not args.replay:
