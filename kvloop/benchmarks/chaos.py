@@ -83,6 +83,11 @@ class Run:
         self.soak_s = 0.0
         """Traffic lasts at least this long (spare sessions keep coming), for the soak's samples."""
         self.samples: list[dict[str, Any]] = []
+        self.restarted = asyncio.Event()
+        """Clear while an engine is restarting; set otherwise (``--outage-turns`` gates turns on it)."""
+        self.restarted.set()
+        self.outage_turns = 0
+        """Turns started since the current restart began."""
 
     def now(self) -> float:
         return round(time.monotonic() - self.t0, 3)
@@ -141,6 +146,7 @@ class Run:
             prompt = history + new
             answer = conv.answer(turn, 32)
             for attempt in range(self.args.attempts):
+                await self.outage_gate()
                 rec = await self.request(http, conv.conversation_id, turn + 1, attempt, prompt, answer)
                 if rec.ok:
                     history = prompt + (rec.output or [])
@@ -149,6 +155,24 @@ class Run:
             else:
                 history = prompt
             await asyncio.sleep(conv.think(turn, 0.5))
+
+    async def outage_gate(self) -> None:
+        """With ``--outage-turns N``: once N turns have started while an engine restarts, further turns wait for the
+        restart to end. Serving through the outage is shown by those N; beyond them, traffic only slows the restart
+        (three single-threaded process starts in a row) and adds answers to check."""
+        limit = self.args.outage_turns
+        while limit and not self.restarted.is_set() and self.outage_turns >= limit:
+            await self.restarted.wait()
+        if not self.restarted.is_set():
+            self.outage_turns += 1
+
+    async def restart_engine(self, engine_id: str) -> None:
+        self.restarted.clear()
+        self.outage_turns = 0
+        try:
+            await self.cluster.restart_engine(engine_id)
+        finally:
+            self.restarted.set()
 
     def recoveries_seen(self) -> bool:
         """Whether every fired fault has had its first good turn on the repaired part, or ``--recovery-wait-s``
@@ -259,7 +283,7 @@ class Run:
             c.signal_engine(target, signal.SIGKILL if fault.kind == "decode_kill" else signal.SIGSTOP)
             await asyncio.sleep(fault.down_s)
             if fault.kind == "decode_kill":
-                await c.restart_engine(target)
+                await self.restart_engine(target)
             else:
                 c.signal_engine(target, signal.SIGCONT)
                 await c.wait_engine(target)
@@ -269,7 +293,7 @@ class Run:
                 return FaultRecord(fault.kind, "", self.now(), self.now(), fired=False, note="no TRANSFER turn came")
             record = FaultRecord(fault.kind, killed, self.now())
             await asyncio.sleep(fault.down_s)
-            await c.restart_engine(killed)
+            await self.restart_engine(killed)
         elif fault.kind == "sidecar_kill":
             record = FaultRecord(fault.kind, target, self.now())
             c.kill_sidecar(target)
@@ -572,6 +596,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recovery-wait-s", type=float, default=RECOVERY_WAIT_S,
                         help="after the last fault, keep traffic coming at most this long until every repaired part "
                              "has served a good turn")
+    parser.add_argument("--outage-turns", type=int, default=0,
+                        help="while an engine restarts, at most this many turns start (then traffic waits for the "
+                             "restart); 0: traffic keeps coming at --concurrency throughout")
     parser.add_argument("--soak-s", type=float, default=0.0,
                         help="the chaos phase's traffic lasts at least this long (a soak: broker memory and held "
                              "blocks sampled every 10 s, growth checked); 600 for the 10-minute soak")
@@ -597,6 +624,8 @@ def validate(args: argparse.Namespace) -> str:
         return f"--faults: unknown {sorted(unknown)}; choose from {list(KINDS)}"
     if not 0 <= args.soak_s <= args.deadline_s:
         return "--soak-s: must be within 0..--deadline-s"
+    if args.outage_turns < 0:
+        return "--outage-turns: must be at least 0"
     if args.recovery_wait_s < 0:
         return "--recovery-wait-s: must be at least 0"
     if args.attempts < 1 or args.client_timeout_s <= 0 or args.deadline_s <= 0:

@@ -29,6 +29,9 @@ def test_every_fault_kind_once_loses_nothing(tiny_model: Path, tmp_path: Path) -
             # A restarted decode engine the placement does not choose again is waited for 20 s, not 120: its
             # recovery time is then blank, which this test does not check (the full run measures it).
             "--recovery-wait-s", "20",
+            # While an engine restarts, 3 turns show serving goes on; more would only slow the restart (which must
+            # import vLLM in three processes one after another) and add answers to check.
+            "--outage-turns", "3",
             "--deadline-s", "900", "--work-dir", str(tmp_path / "work"), "--out", str(out)]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=1500, stdin=subprocess.DEVNULL)
     print(done.stdout[-6000:])
