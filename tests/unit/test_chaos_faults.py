@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+
 import pytest
 
-from kvloop.benchmarks.chaos import soak_figures, verdict
+from kvloop.benchmarks.chaos import Run, soak_figures, verdict
 from kvloop.benchmarks.chaos_faults import (
     KINDS,
     FaultRecord,
@@ -66,3 +69,26 @@ def test_soak_growth_is_per_broker_process_and_fails_the_run_past_the_limit() ->
     assert verdict(phase, {"wrong": []}) == []  # 1.0 MB/min is the limit, not over it
     soak["broker_rss"][0]["mb_per_min"] = 1.5
     assert "broker memory grew" in verdict(phase, {"wrong": []})[0]
+
+
+def test_outage_turns_caps_the_turns_that_start_while_an_engine_restarts() -> None:
+    async def scenario() -> list[str]:
+        run = Run(cluster=None, args=argparse.Namespace(outage_turns=2), faults=[])  # type: ignore[arg-type]
+        started: list[str] = []
+
+        async def turn(name: str) -> None:
+            await run.outage_gate()
+            started.append(name)
+
+        await turn("before")  # no restart under way: never gated, not counted
+        run.restarted.clear()
+        run.outage_turns = 0
+        waiting = [asyncio.create_task(turn(f"t{i}")) for i in range(4)]
+        await asyncio.sleep(0.05)
+        started.append("|restart done|")
+        run.restarted.set()
+        await asyncio.gather(*waiting)
+        return started
+
+    started = asyncio.run(scenario())
+    assert started[:4] == ["before", "t0", "t1", "|restart done|"] and sorted(started[4:]) == ["t2", "t3"]
