@@ -50,6 +50,7 @@ ENGINE_RPCS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "PublishLease": ("engine_id", lambda r: r.engine_id),
     "WatchEvictions": ("engine_id", lambda r: r.engine_id),
     "ReportCacheEvents": ("engine_id", lambda r: r.engine_id),
+    "CompleteDemotion": ("engine_id", lambda r: r.engine_id),
 }
 LEASE_RPCS: dict[str, Callable[[Any], str]] = {
     "RenewLease": lambda r: r.lease_id,

@@ -62,6 +62,10 @@ class BrokerConfig(ServiceConfig):
         "first); memory only")
     max_cache_event_keys: int = setting(_limit("max_cache_event_keys"),
         "most stored (and most removed) keys in one ReportCacheEvents batch")
+    host_ttl_s: float = setting(_limit("host_ttl_s"),
+        "retention TTL of a lease once demoted to its engine's host tier (0 = the lease's own TTL)")
+    demotion_timeout_s: float = setting(_limit("demotion_timeout_s"),
+        "a demotion the engine has not reported done in this long is dropped, its host slots freed")
     eviction_policy: str = setting("cost", "victim choice: cost (cheapest to recompute per block) or lru",
                                    choices=POLICIES)
     recency_half_life_s: float = setting(120.0, "cost policy: a lease's value halves every this many idle seconds")
@@ -163,6 +167,9 @@ class BrokerConfig(ServiceConfig):
                      "queue_penalty_s", "decode_local_max_tokens", "decode_local_stall_budget_s",
                      "decode_stall_weight"):
             self._require(getattr(self, name) >= 0, name, "must not be negative")
+        self._require(self.host_ttl_s == 0 or self.min_ttl_s <= self.host_ttl_s <= self.max_ttl_s, "host_ttl_s",
+                      "must be 0 or lie within min_ttl_s..max_ttl_s")
+        self._require(self.demotion_timeout_s > 0, "demotion_timeout_s", "must be positive")
         self._require(0 < self.decode_local_max_share <= 1, "decode_local_max_share", "must be in (0, 1]")
         self._require(self.decode_local_max_running >= 1, "decode_local_max_running", "must be at least 1")
         self._require(1 <= self.least_loaded_candidates <= 64, "least_loaded_candidates", "must be within 1..64")

@@ -19,6 +19,7 @@ from kvloop.broker.core import (
     Plan,
     Role,
     SoftAck,
+    Tier,
 )
 from kvloop.shared.errors import InvalidArgument
 from kvloop.v1 import broker_pb2 as pb
@@ -37,7 +38,9 @@ _REASON_TO_PB = {
     EvictionReason.RESYNC: pb.EVICTION_REASON_RESYNC,
     EvictionReason.RELEASED: pb.EVICTION_REASON_RELEASED,
     EvictionReason.ENGINE_GONE: pb.EVICTION_REASON_ENGINE_GONE,
+    EvictionReason.DEMOTION_FAILED: pb.EVICTION_REASON_DEMOTION_FAILED,
 }
+TIER_TO_PB: dict[Tier, Any] = {Tier.POOL: pb.TIER_POOL, Tier.HOST: pb.TIER_HOST}
 
 
 def role_from_pb(value: int) -> Role:
@@ -52,6 +55,7 @@ def engine_from_pb(msg: pb.Engine) -> EngineInfo:
         engine_id=msg.engine_id, role=role_from_pb(msg.role), block_size=msg.block_size,
         layout_fingerprint=msg.layout_fingerprint, retention_budget_blocks=msg.retention_budget_blocks,
         addresses=addresses_from_pb(msg.addresses), incarnation=msg.incarnation, model=msg.model,
+        host_tier_blocks=msg.host_tier_blocks,
     )
 
 
@@ -60,6 +64,7 @@ def engine_to_pb(info: EngineInfo) -> pb.Engine:
         engine_id=info.engine_id, role=_ROLE_TO_PB[info.role], addresses=addresses_to_pb(info.addresses),
         block_size=info.block_size, layout_fingerprint=info.layout_fingerprint,
         retention_budget_blocks=info.retention_budget_blocks, incarnation=info.incarnation, model=info.model,
+        host_tier_blocks=info.host_tier_blocks,
     )
 
 
@@ -96,6 +101,7 @@ def lease_to_pb(lease: Lease) -> pb.Lease:
         ttl_s=lease.ttl_s, expires_at_unix=lease.expires_at, last_used_unix=lease.last_used,
         pins=len(lease.pin_ids),
         pending_eviction=_REASON_TO_PB[lease.pending] if lease.pending else pb.EVICTION_REASON_UNSPECIFIED,
+        tier=TIER_TO_PB[lease.tier], demoting=bool(lease.demoting_until),
     )
 
 
@@ -107,7 +113,8 @@ def pin_to_pb(pin: Pin) -> pb.Pin:
 def command_to_pb(cmd: EvictionCommand) -> pb.EvictionCommand:
     return pb.EvictionCommand(
         seq=cmd.seq, engine_id=cmd.engine_id, lease_id=cmd.lease_id, block_ids=list(cmd.block_ids),
-        reason=_REASON_TO_PB[cmd.reason], live_lease_ids=list(cmd.live_lease_ids),
+        reason=_REASON_TO_PB[cmd.reason], live_lease_ids=list(cmd.live_lease_ids), tier=TIER_TO_PB[cmd.tier],
+        demote_to_block_ids=list(cmd.demote_to),
     )
 
 
@@ -134,7 +141,7 @@ def plan_to_pb(plan: Plan) -> pb.Plan:
         decode_engine_id=plan.decode.engine_id, decode_addresses=addresses_to_pb(plan.decode.addresses),
         decode_sticky=plan.decode_sticky, session_id=plan.session_id, candidates=plan.candidates,
         local_tokens=plan.local_tokens, pull_tokens=plan.pull_tokens, decode_local_veto=plan.decode_local_veto,
-        cached_tokens_seen=plan.cached_tokens_seen,
+        cached_tokens_seen=plan.cached_tokens_seen, source_tier=TIER_TO_PB[plan.source_tier],
     )
 
 

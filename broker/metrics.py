@@ -31,12 +31,15 @@ class _StateCollector(Collector):
         leases = GaugeMetricFamily("kvloop_broker_leases", "leases held per engine", labels=["engine"])
         pins = GaugeMetricFamily("kvloop_broker_pins", "pins in flight")
         engines = GaugeMetricFamily("kvloop_broker_engines", "live engines by role", labels=["role"])
+        host = GaugeMetricFamily("kvloop_broker_host_tier_blocks", "host-tier slots in use per engine (demoted "
+                                 "leases)", labels=["engine"])
         cached = GaugeMetricFamily("kvloop_broker_cached_blocks", "blocks in each engine's soft index (its prefix "
                                    "cache, as its KV events tell it)", labels=["engine"])
         if state is not None:
             by_role: dict[str, int] = {}
             for engine_id, rec in list(state.engines.items()):
                 retained.add_metric([engine_id], state.retained_blocks(engine_id))
+                host.add_metric([engine_id], state.host_blocks(engine_id))
                 budget.add_metric([engine_id], rec.info.retention_budget_blocks)
                 leases.add_metric([engine_id], len(state.engine_lease_ids(engine_id)))
                 cached.add_metric([engine_id], state.soft.cached_blocks(engine_id))
@@ -44,7 +47,7 @@ class _StateCollector(Collector):
             for role, n in by_role.items():
                 engines.add_metric([role], n)
             pins.add_metric([], len(state.pins))
-        yield from (retained, budget, leases, pins, engines, cached)
+        yield from (retained, budget, leases, pins, engines, cached, host)
 
 
 class BrokerMetrics:
@@ -54,6 +57,9 @@ class BrokerMetrics:
         self.registry.register(self._collector)
         self.evictions = Counter("kvloop_broker_evictions", "eviction commands issued, by reason", ["reason"],
                                  registry=self.registry)
+        self.demotions = Counter("kvloop_broker_demotions", "demotions to a host tier, by outcome: commanded (an "
+                                 "eviction command with demote_to), copied or failed (the engine's report)",
+                                 ["outcome"], registry=self.registry)
         self.placements = Counter("kvloop_broker_placements", "placements, by decision and reason",
                                   ["decision", "reason"], registry=self.registry)
         self.placement_latency = Histogram("kvloop_broker_placement_seconds", "placement latency inside the broker",

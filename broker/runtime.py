@@ -146,6 +146,8 @@ class BrokerRuntime:
         for cmd in commands:
             self._durable_seq[cmd.engine_id] = max(self._durable_seq.get(cmd.engine_id, 0), cmd.seq)
             self.metrics.evictions.labels(reason=cmd.reason.value).inc()
+            if cmd.demote_to:
+                self.metrics.demotions.labels(outcome="commanded").inc()
             for event in self._wakeups.get(cmd.engine_id, ()):
                 event.set()
 

@@ -166,7 +166,8 @@ class BrokerService(broker_pb2_grpc.KVBrokerServicer):
             p = s.pin(reader, lease_id, num_blocks, timeout_s, now)
             lease = s.leases[p.lease_id]
             return pb.PinBlocksResponse(pin_id=p.pin_id, block_ids=list(lease.block_ids[: p.num_blocks]),
-                                        expires_at_unix=p.expires_at, lease_expires_at_unix=lease.expires_at)
+                                        expires_at_unix=p.expires_at, lease_expires_at_unix=lease.expires_at,
+                                        tier=convert.TIER_TO_PB[lease.tier])
 
         return await self.runtime.mutate(pin)
 
@@ -176,6 +177,14 @@ class BrokerService(broker_pb2_grpc.KVBrokerServicer):
         lease = await self.runtime.mutate(
             lambda s, now: s.complete(request.pin_id, request.success, request.bytes, request.duration_s, now))
         return pb.CompleteTransferResponse(lease_expires_at_unix=lease.expires_at if lease else 0.0)
+
+    @rpc("CompleteDemotion")
+    async def CompleteDemotion(self, request: pb.CompleteDemotionRequest, context: Any
+                               ) -> pb.CompleteDemotionResponse:
+        lease = await self.runtime.mutate(
+            lambda s, now: s.complete_demotion(request.engine_id, request.lease_id, request.success, now))
+        self.runtime.metrics.demotions.labels(outcome="copied" if lease else "failed").inc()
+        return pb.CompleteDemotionResponse(retained=lease is not None)
 
     async def _place(self, request: pb.PlaceRequest) -> pb.Plan:
         start = time.perf_counter()

@@ -25,6 +25,7 @@ from kvloop.broker.core.model import (
     Pin,
     Plan,
     Role,
+    Tier,
 )
 from kvloop.broker.core.placement import PlaceInput, PlacementPolicy, place
 from kvloop.broker.core.soft_index import ResetReason, SoftAck, SoftIndex
@@ -57,6 +58,7 @@ __all__ = [
     "Role",
     "SoftAck",
     "SoftIndex",
+    "Tier",
     "choose_victims",
     "make_policy",
     "place",

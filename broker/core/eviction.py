@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -20,11 +20,19 @@ class Refcounts(Protocol):
     def __getitem__(self, block: int) -> int: ...
 
 
+class BlockCounts(Refcounts, Protocol):
+    """An engine's whole refcounts (a ``Counter``, or a host tier's slots): what a :class:`RefView` overlays."""
+
+    def get(self, block: int, default: int, /) -> int: ...
+
+    def __len__(self) -> int: ...
+
+
 class RefView:
     """One engine's block refcounts plus a small overlay of tentative changes, so a publication or an
     eviction can be simulated without copying refcounts that may cover a million blocks."""
 
-    def __init__(self, base: Mapping[int, int], overlay: Counter[int] | None = None) -> None:
+    def __init__(self, base: BlockCounts, overlay: Counter[int] | None = None) -> None:
         self._base = base
         self._overlay: Counter[int] = overlay if overlay is not None else Counter()
 
@@ -126,7 +134,7 @@ def make_policy(name: str, recency_half_life_s: float = 120.0) -> EvictionPolicy
 
 
 def choose_victims(
-    policy: EvictionPolicy, candidates: Iterable[Lease], refcounts: Mapping[int, int] | RefView, need: int,
+    policy: EvictionPolicy, candidates: Iterable[Lease], refcounts: BlockCounts | RefView, need: int,
     now: float,
 ) -> tuple[list[Lease], int]:
     """Victims in policy order until ``need`` blocks are freed; returns (victims, blocks freed).

@@ -34,6 +34,21 @@ class EvictionReason(enum.Enum):
     RESYNC = "resync"
     RELEASED = "released"
     ENGINE_GONE = "engine_gone"
+    DEMOTION_FAILED = "demotion_failed"
+
+
+class Tier(enum.Enum):
+    """Where a lease's blocks live on its engine, in demotion order: the engine's own KV pool, then its host tier
+    (``EngineInfo.host_tier_blocks`` slots of host memory registered with NIXL like the pool). A lease's
+    ``block_ids`` are ids in its tier: pool block ids, or host slots."""
+
+    POOL = "pool"
+    HOST = "host"
+
+
+DEMOTING_REASONS = frozenset({EvictionReason.BUDGET, EvictionReason.MEMORY_PRESSURE})
+"""Evictions that make room: on an engine with a host tier they demote the lease instead of dropping it. The
+others (TTL, release, supersession, resync, the engine gone) end the lease wherever it is."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +69,8 @@ class EngineInfo:
     incarnation: str = ""
     model: str = ""
     """The name the engine serves in the OpenAI API; "" for an engine that did not say (it serves any model)."""
+    host_tier_blocks: int = 0
+    """Slots of the engine's host tier (0: none; its evictions drop)."""
 
     def same_layout(self, other: EngineInfo) -> bool:
         return (self.block_size, self.layout_fingerprint) == (other.block_size, other.layout_fingerprint)
@@ -107,6 +124,10 @@ class Lease:
     pin_ids: set[str] = field(default_factory=set)
     pending: EvictionReason | None = None
     """An eviction that fell on this lease while pinned; carried out when the last pin ends."""
+    tier: Tier = Tier.POOL
+    demoting_until: float = 0.0
+    """Non-zero while the engine copies the lease into its host tier: not offered, not pinnable, until the engine
+    reports the copy (``BrokerState.complete_demotion``) or this time passes (then it is dropped)."""
 
     @property
     def pinned(self) -> bool:
@@ -130,6 +151,10 @@ class EvictionCommand:
     block_ids: tuple[int, ...]
     reason: EvictionReason
     live_lease_ids: tuple[str, ...] = ()
+    tier: Tier = Tier.POOL
+    """The tier ``block_ids`` are in: the engine frees them there."""
+    demote_to: tuple[int, ...] = ()
+    """Host slots, one per block: copy each block there before freeing it, then report the copy. Empty: drop."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +191,8 @@ class Plan:
     source: EngineInfo | None = None
     source_lease_id: str = ""
     source_block_ids: tuple[int, ...] = ()
+    source_tier: Tier = Tier.POOL
+    """The tier ``source_block_ids`` are in on the source engine."""
     matched_blocks: int = 0
     matched_tokens: int = 0
     recompute_tokens: int = 0

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvloop.broker.core.index import Match
-from kvloop.broker.core.model import CostEstimate, Decision, EngineRecord, Plan
+from kvloop.broker.core.model import CostEstimate, Decision, EngineRecord, Plan, Tier
 from kvloop.shared.errors import FailedPrecondition
 from kvloop.shared.vocabulary import Reason, Veto
 
@@ -186,8 +186,10 @@ def place(
     source = by_id[match.lease.engine_id] if match else None
 
     def held(engine: EngineRecord) -> int:
-        """Blocks of the prompt this engine holds itself: its lease match, or its prefix cache."""
-        lease = matched if source is not None and source.info.engine_id == engine.info.engine_id else 0
+        """Blocks of the prompt this engine holds itself: its lease match in its pool, or its prefix cache. A
+        lease on its host tier is not local: it is pulled, by a prefill engine, as from any source."""
+        lease = (matched if source is not None and source.info.engine_id == engine.info.engine_id
+                 and match is not None and match.lease.tier is Tier.POOL else 0)
         return max(lease, min((cached or {}).get(engine.info.engine_id, 0), max_blocks))
 
     def local(engine: EngineRecord) -> int:
@@ -303,6 +305,7 @@ def place(
         source=source.info if source is not None else None,
         source_lease_id=match.lease.lease_id if match else "",
         source_block_ids=tuple(match.lease.block_ids[:matched]) if match else (),
+        source_tier=match.lease.tier if match else Tier.POOL,
         matched_blocks=matched,
         matched_tokens=matched * bs,
         recompute_tokens=request.num_tokens - best.reused_blocks * bs,

@@ -19,6 +19,7 @@ from kvloop.broker.core.fleet import Fleet
 from kvloop.broker.core.in_flight import InFlight
 from kvloop.broker.core.index import BlockIndex, Match
 from kvloop.broker.core.model import (
+    DEMOTING_REASONS,
     EngineInfo,
     EngineLoad,
     EngineRecord,
@@ -27,6 +28,7 @@ from kvloop.broker.core.model import (
     Lease,
     Pin,
     Plan,
+    Tier,
 )
 from kvloop.broker.core.placement import PlaceInput, PlacementPolicy, place
 from kvloop.broker.core.soft_index import SoftAck, SoftIndex
@@ -54,6 +56,11 @@ class Limits:
     max_retention_budget_blocks: int = 1 << 24
     max_prefill_tokens_per_s: float = 1e8
     max_transfer_bytes_per_s: float = 1e13
+    max_host_tier_blocks: int = 1 << 26
+    host_ttl_s: float = 0.0
+    """Retention TTL of a lease once demoted to a host tier (0: the lease's own TTL)."""
+    demotion_timeout_s: float = 30.0
+    """A demotion the engine has not reported in this long is dropped (its host slots freed)."""
 
 
 @dataclass
@@ -117,6 +124,9 @@ def check_engine_info(info: EngineInfo, lim: Limits) -> None:
     if not 0 <= info.retention_budget_blocks <= lim.max_retention_budget_blocks:
         raise InvalidArgument(f"engine.retention_budget_blocks: must be within 0..{lim.max_retention_budget_blocks}",
                               field="engine.retention_budget_blocks")
+    if not 0 <= info.host_tier_blocks <= lim.max_host_tier_blocks:
+        raise InvalidArgument(f"engine.host_tier_blocks: must be within 0..{lim.max_host_tier_blocks}",
+                              field="engine.host_tier_blocks")
     _check_address(info.addresses.grpc, "engine.addresses.grpc", HOST_PORT, "host:port")
     _check_address(info.addresses.nixl, "engine.addresses.nixl", HOST_PORT, "host:port")
     _check_address(info.addresses.http, "engine.addresses.http", HTTP_URL, "an http(s)://host[:port] URL")
@@ -129,7 +139,27 @@ class EngineBooks:
 
     log: deque[EvictionCommand]
     refs: Counter[int] = field(default_factory=Counter)
+    """Pool blocks: how many of the engine's pool-tier leases hold each."""
     lease_ids: set[str] = field(default_factory=set)
+    host_slots: set[int] = field(default_factory=set)
+    """Host-tier slots in use, by the engine's host-tier leases (one lease per slot: demoted copies are not
+    shared)."""
+
+
+class SlotCounts:
+    """A host tier's slots as refcounts for :func:`choose_victims`: each slot in use is held once."""
+
+    def __init__(self, slots: set[int]) -> None:
+        self._slots = slots
+
+    def get(self, slot: int, default: int = 0) -> int:
+        return 1 if slot in self._slots else default
+
+    def __getitem__(self, slot: int) -> int:
+        return self.get(slot)
+
+    def __len__(self) -> int:
+        return len(self._slots)
 
 
 class BrokerState:
@@ -152,6 +182,9 @@ class BrokerState:
         """Per registered engine, what the broker derives from its leases (never stored): opened with the engine's
         record (:meth:`_open_engine`), closed with it (:meth:`_drop_engine`)."""
         self._session_leases: dict[str, set[str]] = {}
+        self._demoting: dict[str, float] = {}
+        """Lease id -> ``demoting_until`` of each demotion the engine has not reported yet (:meth:`tick` drops those
+        past due)."""
         self._expiry: list[tuple[float, str]] = []
         """(expires_at, lease id) per lease and per renewal: :meth:`tick` pops what is due instead of walking every
         lease. An entry whose lease is gone or whose expiry moved is stale and skipped."""
@@ -177,6 +210,11 @@ class BrokerState:
     def retained_blocks(self, engine_id: str) -> int:
         books = self._books.get(engine_id)  # _remove_lease deletes blocks whose count reaches 0
         return len(books.refs) if books is not None else 0
+
+    def host_blocks(self, engine_id: str) -> int:
+        """Host-tier slots the engine's leases hold."""
+        books = self._books.get(engine_id)
+        return len(books.host_slots) if books is not None else 0
 
     def engine_lease_ids(self, engine_id: str) -> list[str]:
         books = self._books.get(engine_id)
@@ -224,6 +262,9 @@ class BrokerState:
             over = self.retained_blocks(info.engine_id) - info.retention_budget_blocks
             if over > 0:  # a smaller budget applies at once (pinned leases go when their pins end)
                 self._evict_for(info.engine_id, over, EvictionReason.BUDGET, now)
+            host_over = self.host_blocks(info.engine_id) - info.host_tier_blocks
+            if host_over > 0:
+                self._free_host(info.engine_id, host_over, now)
             return old, self.engine_lease_ids(info.engine_id)
         if old is not None:
             # A new incarnation: the process restarted, its retained blocks are gone.
@@ -339,14 +380,13 @@ class BrokerState:
         books = self._books[engine_id]
         view = RefView(books.refs)
         for old in superseded:
-            if not old.pinned:
+            if not old.pinned and old.tier is Tier.POOL:
                 view.release(old.block_ids)
         view.hold(block_ids)
         need = view.distinct() - budget
         gone = {old.lease_id for old in superseded}
         candidates = [
-            self.leases[lid] for lid in books.lease_ids
-            if lid not in gone and not self.leases[lid].pinned and self.leases[lid].pending is None
+            lease for lease in self._pool_candidates(engine_id) if lease.lease_id not in gone
         ] if need > 0 else []
         victims, freed = choose_victims(self.eviction_policy, candidates, view, need, now)
         if freed < need:
@@ -357,9 +397,9 @@ class BrokerState:
             )
         commands: list[EvictionCommand] = []
         for old in superseded:
-            commands.extend(self._evict(old, EvictionReason.SUPERSEDED))
+            commands.extend(self._evict(old, EvictionReason.SUPERSEDED, now))
         for victim in victims:
-            commands.extend(self._evict(victim, EvictionReason.BUDGET))
+            commands.extend(self._evict(victim, EvictionReason.BUDGET, now))
         lease = Lease(
             lease_id=self._new_id(), engine_id=engine_id, session_id=session_id, keys=tuple(keys),
             block_ids=tuple(block_ids), num_tokens=num_tokens, ttl_s=ttl, expires_at=now + ttl,
@@ -404,8 +444,10 @@ class BrokerState:
         heapq.heappush(self._expiry, (lease.expires_at, lease.lease_id))
         self._index.add(lease)
         books = self._books[lease.engine_id]
-        books.refs.update(set(lease.block_ids))
+        self._hold_blocks(books, lease)
         books.lease_ids.add(lease.lease_id)
+        if lease.demoting_until:
+            self._demoting[lease.lease_id] = lease.demoting_until
         if lease.session_id:
             self._session_leases.setdefault(lease.session_id, set()).add(lease.lease_id)
 
@@ -413,11 +455,9 @@ class BrokerState:
         del self.leases[lease.lease_id]
         self._index.remove(lease)
         books = self._books[lease.engine_id]
-        books.refs.subtract(set(lease.block_ids))
-        for block in set(lease.block_ids):
-            if books.refs[block] <= 0:
-                del books.refs[block]
+        self._release_blocks(books, lease)
         books.lease_ids.discard(lease.lease_id)
+        self._demoting.pop(lease.lease_id, None)
         if lease.session_id:
             held = self._session_leases.get(lease.session_id)
             if held is not None:
@@ -429,22 +469,128 @@ class BrokerState:
             self._changes.pins[pin_id] = None
         self._changes.leases[lease.lease_id] = None
 
-    def _evict(self, lease: Lease, reason: EvictionReason) -> list[EvictionCommand]:
-        """Evict now, or defer while pinned. Returns the command issued, if any."""
+    @staticmethod
+    def _hold_blocks(books: EngineBooks, lease: Lease) -> None:
+        if lease.tier is Tier.POOL:
+            books.refs.update(set(lease.block_ids))
+        else:
+            books.host_slots.update(lease.block_ids)
+
+    @staticmethod
+    def _release_blocks(books: EngineBooks, lease: Lease) -> None:
+        if lease.tier is not Tier.POOL:
+            books.host_slots.difference_update(lease.block_ids)
+            return
+        books.refs.subtract(set(lease.block_ids))
+        for block in set(lease.block_ids):
+            if books.refs[block] <= 0:
+                del books.refs[block]
+
+    def _evict(self, lease: Lease, reason: EvictionReason, now: float) -> list[EvictionCommand]:
+        """Evict now, or defer while pinned; an eviction that makes room demotes a pool lease to the engine's host
+        tier where the tier has (or can make) room. Returns the commands issued."""
         if lease.pinned:
             if lease.pending is None:
                 lease.pending = reason
                 self._touch_lease(lease)
             return []
+        if reason in DEMOTING_REASONS and lease.tier is Tier.POOL:
+            demoted = self._demote(lease, reason, now)
+            if demoted is not None:
+                return demoted
         self._remove_lease(lease)
-        return [self._command(lease.engine_id, lease.lease_id, lease.block_ids, reason)]
+        return [self._command(lease.engine_id, lease.lease_id, lease.block_ids, reason, tier=lease.tier)]
 
-    def _command(self, engine_id: str, lease_id: str, block_ids: tuple[int, ...],
-                 reason: EvictionReason) -> EvictionCommand:
+    def _demote(self, lease: Lease, reason: EvictionReason, now: float) -> list[EvictionCommand] | None:
+        """Move ``lease`` to its engine's host tier: slots for its blocks (dropping the tier's victims to make
+        room), its pool blocks released now, one command telling the engine to copy then free. None when the engine
+        has no tier or the tier cannot make room (the lease is then dropped)."""
+        rec = self.engines[lease.engine_id]
+        books = self._books[lease.engine_id]
+        need = len(lease.block_ids)
+        capacity = rec.info.host_tier_blocks
+        if need > capacity:
+            return None
+        commands: list[EvictionCommand] = []
+        short = need - (capacity - len(books.host_slots))
+        if short > 0:
+            victims, freed = choose_victims(self.eviction_policy, self._host_candidates(lease.engine_id),
+                                            SlotCounts(books.host_slots), short, now)
+            if freed < short:
+                return None
+            for victim in victims:
+                commands.extend(self._evict(victim, reason, now))
+        slots = tuple(s for s, _ in zip((s for s in range(capacity) if s not in books.host_slots), range(need),
+                                        strict=False))
+        pool_ids = lease.block_ids
+        self._release_blocks(books, lease)
+        lease.tier, lease.block_ids = Tier.HOST, slots
+        lease.demoting_until = now + self.limits.demotion_timeout_s
+        lease.ttl_s = self.limits.host_ttl_s or lease.ttl_s
+        lease.expires_at = now + lease.ttl_s
+        heapq.heappush(self._expiry, (lease.expires_at, lease.lease_id))
+        self._hold_blocks(books, lease)
+        self._demoting[lease.lease_id] = lease.demoting_until
+        self._touch_lease(lease)
+        commands.append(self._command(lease.engine_id, lease.lease_id, pool_ids, reason, demote_to=slots))
+        return commands
+
+    def complete_demotion(self, engine_id: str, lease_id: str, success: bool, now: float) -> Lease | None:
+        """The engine's report of a demotion: copied (the lease is offered again, from the host tier) or failed
+        (the lease is dropped). A repeated success report is answered again. Returns the lease if it is still
+        retained. Raises ``NotFound`` (the lease went: superseded, expired or timed out) or ``FailedPrecondition``
+        (not this engine's lease, or not being demoted)."""
+        lease = self._lease(lease_id)
+        if lease.engine_id != engine_id:
+            raise FailedPrecondition(f"lease_id: lease {lease_id!r} is engine {lease.engine_id!r}'s, not "
+                                     f"{engine_id!r}'s", field="lease_id")
+        if lease.tier is Tier.POOL:
+            raise FailedPrecondition(f"lease_id: lease {lease_id!r} is not being demoted", field="lease_id")
+        if not success:
+            self._end_demotion(lease)
+            return None
+        if not lease.demoting_until:
+            return lease
+        lease.demoting_until = 0.0
+        self._demoting.pop(lease_id, None)
+        self._touch_lease(lease)
+        return lease
+
+    def _end_demotion(self, lease: Lease) -> None:
+        """Drop a host-tier lease whose copy failed or never came; the engine frees its slots on the command."""
+        if lease.pinned:  # a pin cannot start while demoting; a finished copy may have been pinned since
+            lease.pending = lease.pending or EvictionReason.DEMOTION_FAILED
+            self._touch_lease(lease)
+            return
+        self._remove_lease(lease)
+        self._command(lease.engine_id, lease.lease_id, lease.block_ids, EvictionReason.DEMOTION_FAILED,
+                      tier=lease.tier)
+
+    def _pool_candidates(self, engine_id: str) -> list[Lease]:
+        """The engine's pool-tier leases an eviction may take: not pinned, none pending."""
+        return [lease for lid in self._books[engine_id].lease_ids
+                if (lease := self.leases[lid]).tier is Tier.POOL and not lease.pinned and lease.pending is None]
+
+    def _host_candidates(self, engine_id: str) -> list[Lease]:
+        """The engine's host-tier leases the tier may drop for room: not pinned, none pending, copy done."""
+        return [lease for lid in self._books[engine_id].lease_ids
+                if (lease := self.leases[lid]).tier is Tier.HOST and not lease.pinned and lease.pending is None
+                and not lease.demoting_until]
+
+    def _free_host(self, engine_id: str, need: int, now: float) -> None:
+        books = self._books[engine_id]
+        victims, _ = choose_victims(self.eviction_policy, self._host_candidates(engine_id),
+                                    SlotCounts(books.host_slots), need, now)
+        for victim in victims:
+            self._remove_lease(victim)
+            self._command(engine_id, victim.lease_id, victim.block_ids, EvictionReason.BUDGET, tier=Tier.HOST)
+
+    def _command(self, engine_id: str, lease_id: str, block_ids: tuple[int, ...], reason: EvictionReason, *,
+                 tier: Tier = Tier.POOL, demote_to: tuple[int, ...] = ()) -> EvictionCommand:
         rec = self.engines[engine_id]
         rec.eviction_seq += 1
         cmd = EvictionCommand(seq=rec.eviction_seq, engine_id=engine_id, lease_id=lease_id,
-                              block_ids=block_ids, reason=reason)
+                              block_ids=block_ids, reason=reason, tier=tier, demote_to=demote_to)
         self._books[engine_id].log.append(cmd)
         self._changes.commands.append(cmd)
         self._touch_engine(rec)
@@ -452,10 +598,8 @@ class BrokerState:
 
     def _evict_for(self, engine_id: str, need: int, reason: EvictionReason, now: float) -> list[EvictionCommand]:
         books = self._books[engine_id]
-        candidates = [self.leases[lid] for lid in books.lease_ids
-                      if not self.leases[lid].pinned and self.leases[lid].pending is None]
-        victims, _ = choose_victims(self.eviction_policy, candidates, books.refs, need, now)
-        return [cmd for victim in victims for cmd in self._evict(victim, reason)]
+        victims, _ = choose_victims(self.eviction_policy, self._pool_candidates(engine_id), books.refs, need, now)
+        return [cmd for victim in victims for cmd in self._evict(victim, reason, now)]
 
     # ----------------------------------------------------------------- pins
     def pin(self, reader_engine_id: str, lease_id: str, num_blocks: int, timeout_s: float, now: float) -> Pin:
@@ -463,6 +607,9 @@ class BrokerState:
         lease = self._lease(lease_id)
         if lease.pending is not None:
             raise FailedPrecondition(f"lease_id: lease {lease_id!r} is being evicted ({lease.pending.value})",
+                                     field="lease_id")
+        if lease.demoting_until:
+            raise FailedPrecondition(f"lease_id: lease {lease_id!r} is being copied to its engine's host tier",
                                      field="lease_id")
         if not reader.info.same_layout(self.engines[lease.engine_id].info):
             raise FailedPrecondition(
@@ -523,7 +670,7 @@ class BrokerState:
             lease.pending = EvictionReason.TTL_EXPIRED
         if not lease.pinned and lease.pending is not None:
             reason, lease.pending = lease.pending, None
-            self._evict(lease, reason)
+            self._evict(lease, reason, now)
 
     # ----------------------------------------------------------------- time
     def tick(self, now: float) -> None:
@@ -535,7 +682,9 @@ class BrokerState:
             lease = self.leases.get(lease_id)
             # Skipped: gone, renewed (its later entry is queued), or being evicted already (its pin's end evicts it).
             if lease is not None and lease.expires_at == at and lease.pending is None:
-                self._evict(lease, EvictionReason.TTL_EXPIRED)
+                self._evict(lease, EvictionReason.TTL_EXPIRED, now)
+        for lease_id in [lid for lid, until in self._demoting.items() if until <= now]:
+            self._end_demotion(self.leases[lease_id])
         deadline = now - self.limits.engine_ttl_s
         for engine_id in [e for e, rec in self.engines.items() if rec.last_seen <= deadline]:
             self._drop_engine(engine_id, now)
@@ -580,7 +729,8 @@ class BrokerState:
         lease ("" when none)."""
         def eligible(lease: Lease) -> bool:
             rec = self.engines.get(lease.engine_id)
-            return (rec is not None and lease.pending is None and rec.info.block_size == request.block_size
+            return (rec is not None and lease.pending is None and not lease.demoting_until
+                    and rec.info.block_size == request.block_size
                     and rec.info.layout_fingerprint == request.layout_fingerprint)
 
         matches = self._index.longest(request.keys, self.leases, eligible) if request.keys else []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvloop.broker.core import Addresses, EngineInfo, EngineLoad, EngineRecord, EvictionReason, Lease, Pin, Role
+from kvloop.broker.core import Addresses, EngineInfo, EngineLoad, EngineRecord, EvictionReason, Lease, Pin, Role, Tier
 
 
 def encode_engine(rec: EngineRecord) -> bytes:
@@ -14,7 +14,8 @@ def encode_engine(rec: EngineRecord) -> bytes:
         "engine_id": info.engine_id, "role": info.role.value, "block_size": info.block_size,
         "layout_fingerprint": info.layout_fingerprint, "retention_budget_blocks": info.retention_budget_blocks,
         "addresses": [info.addresses.grpc, info.addresses.http, info.addresses.nixl],
-        "incarnation": info.incarnation, "model": info.model, "registered_at": rec.registered_at,
+        "incarnation": info.incarnation, "model": info.model, "host_tier_blocks": info.host_tier_blocks,
+        "registered_at": rec.registered_at,
         "last_seen": rec.last_seen,
         "eviction_seq": rec.eviction_seq, "learned_bandwidth": rec.learned_bandwidth,
         "load": {k: getattr(rec.load, k) for k in EngineLoad.__dataclass_fields__},
@@ -27,6 +28,7 @@ def decode_engine(raw: bytes) -> EngineRecord:
         engine_id=d["engine_id"], role=Role(d["role"]), block_size=d["block_size"],
         layout_fingerprint=d["layout_fingerprint"], retention_budget_blocks=d["retention_budget_blocks"],
         addresses=Addresses(*d["addresses"]), incarnation=d["incarnation"], model=d.get("model", ""),
+        host_tier_blocks=d.get("host_tier_blocks", 0),
     )
     return EngineRecord(info=info, registered_at=d["registered_at"], last_seen=d["last_seen"],
                         load=EngineLoad(**d["load"]), eviction_seq=d["eviction_seq"],
@@ -40,6 +42,7 @@ def encode_lease(lease: Lease) -> bytes:
         "num_tokens": lease.num_tokens, "ttl_s": lease.ttl_s, "expires_at": lease.expires_at,
         "last_used": lease.last_used, "created_at": lease.created_at,
         "pending": lease.pending.value if lease.pending else None,
+        "tier": lease.tier.value, "demoting_until": lease.demoting_until,
     }).encode()
 
 
@@ -50,6 +53,7 @@ def decode_lease(raw: bytes) -> Lease:
         keys=tuple(bytes.fromhex(k) for k in d["keys"]), block_ids=tuple(d["block_ids"]),
         num_tokens=d["num_tokens"], ttl_s=d["ttl_s"], expires_at=d["expires_at"], last_used=d["last_used"],
         created_at=d["created_at"], pending=EvictionReason(d["pending"]) if d["pending"] else None,
+        tier=Tier(d.get("tier", Tier.POOL.value)), demoting_until=d.get("demoting_until", 0.0),
     )
 
 

@@ -32,6 +32,12 @@ class EvictionReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EVICTION_REASON_RESYNC: _ClassVar[EvictionReason]
     EVICTION_REASON_RELEASED: _ClassVar[EvictionReason]
     EVICTION_REASON_ENGINE_GONE: _ClassVar[EvictionReason]
+    EVICTION_REASON_DEMOTION_FAILED: _ClassVar[EvictionReason]
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_POOL: _ClassVar[Tier]
+    TIER_HOST: _ClassVar[Tier]
 ENGINE_ROLE_UNSPECIFIED: EngineRole
 ENGINE_ROLE_PREFILL: EngineRole
 ENGINE_ROLE_DECODE: EngineRole
@@ -49,6 +55,9 @@ EVICTION_REASON_SUPERSEDED: EvictionReason
 EVICTION_REASON_RESYNC: EvictionReason
 EVICTION_REASON_RELEASED: EvictionReason
 EVICTION_REASON_ENGINE_GONE: EvictionReason
+EVICTION_REASON_DEMOTION_FAILED: EvictionReason
+TIER_POOL: Tier
+TIER_HOST: Tier
 
 class EngineAddresses(_message.Message):
     __slots__ = ("grpc", "http", "nixl")
@@ -61,7 +70,7 @@ class EngineAddresses(_message.Message):
     def __init__(self, grpc: _Optional[str] = ..., http: _Optional[str] = ..., nixl: _Optional[str] = ...) -> None: ...
 
 class Engine(_message.Message):
-    __slots__ = ("engine_id", "role", "addresses", "block_size", "layout_fingerprint", "retention_budget_blocks", "incarnation", "model")
+    __slots__ = ("engine_id", "role", "addresses", "block_size", "layout_fingerprint", "retention_budget_blocks", "incarnation", "model", "host_tier_blocks")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESSES_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +79,7 @@ class Engine(_message.Message):
     RETENTION_BUDGET_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    HOST_TIER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     role: EngineRole
     addresses: EngineAddresses
@@ -78,7 +88,8 @@ class Engine(_message.Message):
     retention_budget_blocks: int
     incarnation: str
     model: str
-    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[_Union[EngineRole, str]] = ..., addresses: _Optional[_Union[EngineAddresses, _Mapping]] = ..., block_size: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., retention_budget_blocks: _Optional[int] = ..., incarnation: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    host_tier_blocks: int
+    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[_Union[EngineRole, str]] = ..., addresses: _Optional[_Union[EngineAddresses, _Mapping]] = ..., block_size: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., retention_budget_blocks: _Optional[int] = ..., incarnation: _Optional[str] = ..., model: _Optional[str] = ..., host_tier_blocks: _Optional[int] = ...) -> None: ...
 
 class EngineLoad(_message.Message):
     __slots__ = ("running_requests", "waiting_requests", "kv_usage", "memory_pressure", "pressure_free_blocks", "prefill_tokens_per_s", "transfer_bytes_per_s", "bytes_per_block")
@@ -147,23 +158,27 @@ class DeregisterEngineResponse(_message.Message):
     def __init__(self, dropped_leases: _Optional[int] = ...) -> None: ...
 
 class EvictionCommand(_message.Message):
-    __slots__ = ("seq", "engine_id", "lease_id", "block_ids", "reason", "live_lease_ids")
+    __slots__ = ("seq", "engine_id", "lease_id", "block_ids", "reason", "live_lease_ids", "tier", "demote_to_block_ids")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     LIVE_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    DEMOTE_TO_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     engine_id: str
     lease_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     reason: EvictionReason
     live_lease_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, seq: _Optional[int] = ..., engine_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., reason: _Optional[_Union[EvictionReason, str]] = ..., live_lease_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    tier: Tier
+    demote_to_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq: _Optional[int] = ..., engine_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., reason: _Optional[_Union[EvictionReason, str]] = ..., live_lease_ids: _Optional[_Iterable[str]] = ..., tier: _Optional[_Union[Tier, str]] = ..., demote_to_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Lease(_message.Message):
-    __slots__ = ("lease_id", "engine_id", "session_id", "block_keys", "block_ids", "num_tokens", "ttl_s", "expires_at_unix", "last_used_unix", "pins", "pending_eviction")
+    __slots__ = ("lease_id", "engine_id", "session_id", "block_keys", "block_ids", "num_tokens", "ttl_s", "expires_at_unix", "last_used_unix", "pins", "pending_eviction", "tier", "demoting")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +190,8 @@ class Lease(_message.Message):
     LAST_USED_UNIX_FIELD_NUMBER: _ClassVar[int]
     PINS_FIELD_NUMBER: _ClassVar[int]
     PENDING_EVICTION_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    DEMOTING_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     engine_id: str
     session_id: str
@@ -186,7 +203,9 @@ class Lease(_message.Message):
     last_used_unix: float
     pins: int
     pending_eviction: EvictionReason
-    def __init__(self, lease_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., session_id: _Optional[str] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., ttl_s: _Optional[float] = ..., expires_at_unix: _Optional[float] = ..., last_used_unix: _Optional[float] = ..., pins: _Optional[int] = ..., pending_eviction: _Optional[_Union[EvictionReason, str]] = ...) -> None: ...
+    tier: Tier
+    demoting: bool
+    def __init__(self, lease_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., session_id: _Optional[str] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., ttl_s: _Optional[float] = ..., expires_at_unix: _Optional[float] = ..., last_used_unix: _Optional[float] = ..., pins: _Optional[int] = ..., pending_eviction: _Optional[_Union[EvictionReason, str]] = ..., tier: _Optional[_Union[Tier, str]] = ..., demoting: _Optional[bool] = ...) -> None: ...
 
 class PublishLeaseRequest(_message.Message):
     __slots__ = ("engine_id", "session_id", "block_keys", "block_ids", "num_tokens", "ttl_s")
@@ -251,16 +270,18 @@ class PinBlocksRequest(_message.Message):
     def __init__(self, reader_engine_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class PinBlocksResponse(_message.Message):
-    __slots__ = ("pin_id", "block_ids", "expires_at_unix", "lease_expires_at_unix")
+    __slots__ = ("pin_id", "block_ids", "expires_at_unix", "lease_expires_at_unix", "tier")
     PIN_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_UNIX_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_AT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     pin_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     expires_at_unix: float
     lease_expires_at_unix: float
-    def __init__(self, pin_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., expires_at_unix: _Optional[float] = ..., lease_expires_at_unix: _Optional[float] = ...) -> None: ...
+    tier: Tier
+    def __init__(self, pin_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., expires_at_unix: _Optional[float] = ..., lease_expires_at_unix: _Optional[float] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
 
 class CompleteTransferRequest(_message.Message):
     __slots__ = ("pin_id", "success", "bytes", "duration_s")
@@ -279,6 +300,22 @@ class CompleteTransferResponse(_message.Message):
     LEASE_EXPIRES_AT_UNIX_FIELD_NUMBER: _ClassVar[int]
     lease_expires_at_unix: float
     def __init__(self, lease_expires_at_unix: _Optional[float] = ...) -> None: ...
+
+class CompleteDemotionRequest(_message.Message):
+    __slots__ = ("engine_id", "lease_id", "success")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    lease_id: str
+    success: bool
+    def __init__(self, engine_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., success: _Optional[bool] = ...) -> None: ...
+
+class CompleteDemotionResponse(_message.Message):
+    __slots__ = ("retained",)
+    RETAINED_FIELD_NUMBER: _ClassVar[int]
+    retained: bool
+    def __init__(self, retained: _Optional[bool] = ...) -> None: ...
 
 class PlaceRequest(_message.Message):
     __slots__ = ("session_id", "block_keys", "num_tokens", "layout_fingerprint", "block_size", "pin", "traceparent", "no_decode_local", "in_flight", "counts_in_flight", "router_id", "in_flight_tokens")
@@ -351,7 +388,7 @@ class CostEstimate(_message.Message):
     def __init__(self, transfer_s: _Optional[float] = ..., recompute_s: _Optional[float] = ..., bandwidth_bytes_per_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., bytes_per_block: _Optional[int] = ..., measured: _Optional[bool] = ..., decode_local_s: _Optional[float] = ..., prefill_local_s: _Optional[float] = ..., transfer_path_s: _Optional[float] = ..., recompute_path_s: _Optional[float] = ..., prefill_queue_s: _Optional[float] = ..., decode_stall_s: _Optional[float] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("decision", "reason", "source_engine_id", "source_addresses", "source_lease_id", "source_block_ids", "matched_blocks", "matched_tokens", "recompute_tokens", "prompt_blocks", "threshold_tokens", "cost", "prefill_engine_id", "prefill_addresses", "decode_engine_id", "decode_addresses", "decode_sticky", "session_id", "candidates", "error", "pin", "local_tokens", "pull_tokens", "decode_local_veto", "cached_tokens_seen", "error_code")
+    __slots__ = ("decision", "reason", "source_engine_id", "source_addresses", "source_lease_id", "source_block_ids", "matched_blocks", "matched_tokens", "recompute_tokens", "prompt_blocks", "threshold_tokens", "cost", "prefill_engine_id", "prefill_addresses", "decode_engine_id", "decode_addresses", "decode_sticky", "session_id", "candidates", "error", "pin", "local_tokens", "pull_tokens", "decode_local_veto", "cached_tokens_seen", "error_code", "source_tier")
     DECISION_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     SOURCE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -378,6 +415,7 @@ class Plan(_message.Message):
     DECODE_LOCAL_VETO_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_SEEN_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_TIER_FIELD_NUMBER: _ClassVar[int]
     decision: Decision
     reason: str
     source_engine_id: str
@@ -404,7 +442,8 @@ class Plan(_message.Message):
     decode_local_veto: str
     cached_tokens_seen: int
     error_code: int
-    def __init__(self, decision: _Optional[_Union[Decision, str]] = ..., reason: _Optional[str] = ..., source_engine_id: _Optional[str] = ..., source_addresses: _Optional[_Union[EngineAddresses, _Mapping]] = ..., source_lease_id: _Optional[str] = ..., source_block_ids: _Optional[_Iterable[int]] = ..., matched_blocks: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., recompute_tokens: _Optional[int] = ..., prompt_blocks: _Optional[int] = ..., threshold_tokens: _Optional[int] = ..., cost: _Optional[_Union[CostEstimate, _Mapping]] = ..., prefill_engine_id: _Optional[str] = ..., prefill_addresses: _Optional[_Union[EngineAddresses, _Mapping]] = ..., decode_engine_id: _Optional[str] = ..., decode_addresses: _Optional[_Union[EngineAddresses, _Mapping]] = ..., decode_sticky: _Optional[bool] = ..., session_id: _Optional[str] = ..., candidates: _Optional[int] = ..., error: _Optional[str] = ..., pin: _Optional[_Union[PinBlocksResponse, _Mapping]] = ..., local_tokens: _Optional[int] = ..., pull_tokens: _Optional[int] = ..., decode_local_veto: _Optional[str] = ..., cached_tokens_seen: _Optional[int] = ..., error_code: _Optional[int] = ...) -> None: ...
+    source_tier: Tier
+    def __init__(self, decision: _Optional[_Union[Decision, str]] = ..., reason: _Optional[str] = ..., source_engine_id: _Optional[str] = ..., source_addresses: _Optional[_Union[EngineAddresses, _Mapping]] = ..., source_lease_id: _Optional[str] = ..., source_block_ids: _Optional[_Iterable[int]] = ..., matched_blocks: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., recompute_tokens: _Optional[int] = ..., prompt_blocks: _Optional[int] = ..., threshold_tokens: _Optional[int] = ..., cost: _Optional[_Union[CostEstimate, _Mapping]] = ..., prefill_engine_id: _Optional[str] = ..., prefill_addresses: _Optional[_Union[EngineAddresses, _Mapping]] = ..., decode_engine_id: _Optional[str] = ..., decode_addresses: _Optional[_Union[EngineAddresses, _Mapping]] = ..., decode_sticky: _Optional[bool] = ..., session_id: _Optional[str] = ..., candidates: _Optional[int] = ..., error: _Optional[str] = ..., pin: _Optional[_Union[PinBlocksResponse, _Mapping]] = ..., local_tokens: _Optional[int] = ..., pull_tokens: _Optional[int] = ..., decode_local_veto: _Optional[str] = ..., cached_tokens_seen: _Optional[int] = ..., error_code: _Optional[int] = ..., source_tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
 
 class PlaceBatch(_message.Message):
     __slots__ = ("requests",)

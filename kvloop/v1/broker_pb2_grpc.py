@@ -74,6 +74,11 @@ class KVBrokerStub:
                 request_serializer=kvloop_dot_v1_dot_broker__pb2.CompleteTransferRequest.SerializeToString,
                 response_deserializer=kvloop_dot_v1_dot_broker__pb2.CompleteTransferResponse.FromString,
                 _registered_method=True)
+        self.CompleteDemotion = channel.unary_unary(
+                '/kvloop.v1.KVBroker/CompleteDemotion',
+                request_serializer=kvloop_dot_v1_dot_broker__pb2.CompleteDemotionRequest.SerializeToString,
+                response_deserializer=kvloop_dot_v1_dot_broker__pb2.CompleteDemotionResponse.FromString,
+                _registered_method=True)
         self.Place = channel.unary_unary(
                 '/kvloop.v1.KVBroker/Place',
                 request_serializer=kvloop_dot_v1_dot_broker__pb2.PlaceRequest.SerializeToString,
@@ -148,6 +153,13 @@ class KVBrokerServicer:
 
     def CompleteTransfer(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CompleteDemotion(self, request, context):
+        """The engine's sidecar reports a demotion (EvictionCommand.demote_to_block_ids) done or failed.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -230,6 +242,11 @@ def add_KVBrokerServicer_to_server(servicer, server):
                     servicer.CompleteTransfer,
                     request_deserializer=kvloop_dot_v1_dot_broker__pb2.CompleteTransferRequest.FromString,
                     response_serializer=kvloop_dot_v1_dot_broker__pb2.CompleteTransferResponse.SerializeToString,
+            ),
+            'CompleteDemotion': grpc.unary_unary_rpc_method_handler(
+                    servicer.CompleteDemotion,
+                    request_deserializer=kvloop_dot_v1_dot_broker__pb2.CompleteDemotionRequest.FromString,
+                    response_serializer=kvloop_dot_v1_dot_broker__pb2.CompleteDemotionResponse.SerializeToString,
             ),
             'Place': grpc.unary_unary_rpc_method_handler(
                     servicer.Place,
@@ -473,6 +490,33 @@ class KVBroker:
             '/kvloop.v1.KVBroker/CompleteTransfer',
             kvloop_dot_v1_dot_broker__pb2.CompleteTransferRequest.SerializeToString,
             kvloop_dot_v1_dot_broker__pb2.CompleteTransferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CompleteDemotion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvloop.v1.KVBroker/CompleteDemotion',
+            kvloop_dot_v1_dot_broker__pb2.CompleteDemotionRequest.SerializeToString,
+            kvloop_dot_v1_dot_broker__pb2.CompleteDemotionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -366,6 +366,45 @@ async def test_budget_eviction_and_supersession(broker: Broker) -> None:
         await call.close()
 
 
+async def test_a_budget_eviction_demotes_to_the_host_tier_and_the_plan_pulls_from_it(broker: Broker) -> None:
+    fp, pre = "fp-tier", "tier"
+    await register_cluster(broker, pre, fp, decode_budget=4)
+    dec = f"{pre}-d"
+    with_tier = engine(dec, pb.ENGINE_ROLE_DECODE, fp, budget=4)
+    with_tier.host_tier_blocks = 8
+    await broker.stub.RegisterEngine(pb.RegisterEngineRequest(engine=with_tier), timeout=5)
+    call = watch(broker, dec)
+    try:
+        history = tokens(3 * BS)
+        first = (await broker.stub.PublishLease(publish_request(dec, history, fp, first_block_id=0, session="s"),
+                                                timeout=5)).lease
+        pub = await broker.stub.PublishLease(publish_request(dec, tokens(3 * BS, start=10_000), fp, first_block_id=10),
+                                             timeout=5)
+        (demote,) = pub.evictions
+        assert demote.lease_id == first.lease_id and demote.reason == pb.EVICTION_REASON_BUDGET
+        assert list(demote.block_ids) == [0, 1, 2] and demote.tier == pb.TIER_POOL
+        assert list(demote.demote_to_block_ids) == [0, 1, 2]
+        assert await call.take(1) == [demote]
+        held = lease_by_id(await broker.inspect(), first.lease_id)
+        assert held is not None and held.tier == pb.TIER_HOST and held.demoting
+
+        with pytest.raises(grpc.aio.AioRpcError) as exc:  # another engine's lease
+            await broker.stub.CompleteDemotion(pb.CompleteDemotionRequest(
+                engine_id=f"{pre}-p1", lease_id=first.lease_id, success=True), timeout=5)
+        assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "lease_id" in (exc.value.details() or "")
+        done = await broker.stub.CompleteDemotion(pb.CompleteDemotionRequest(
+            engine_id=dec, lease_id=first.lease_id, success=True), timeout=5)
+        assert done.retained
+
+        plan = await broker.stub.Place(place_request(history + tokens(BS, start=5_000), fp, session="s", pin=True),
+                                       timeout=5)
+        assert plan.decision == pb.DECISION_TRANSFER and plan.source_lease_id == first.lease_id
+        assert plan.source_tier == pb.TIER_HOST and list(plan.source_block_ids) == [0, 1, 2]
+        assert plan.pin.tier == pb.TIER_HOST and list(plan.pin.block_ids) == [0, 1, 2]
+    finally:
+        await call.close()
+
+
 async def test_watch_evictions_replay_and_resync(broker: Broker) -> None:
     fp, pre = "fp-replay", "replay"
     await register_cluster(broker, pre, fp, decode_budget=2)
