@@ -26,9 +26,9 @@ def test_every_fault_kind_once_loses_nothing(tiny_model: Path, tmp_path: Path) -
     argv = [sys.executable, "-m", "kvloop.cli", "bench", "chaos", "--model", str(tiny_model), "--sessions", "4",
             "--turns", "5", "--concurrency", "2", "--rounds", "1", "--no-baseline", "--seed", "1",
             "--client-timeout-s", "120",
-            # A restarted decode engine the placement does not choose again is waited for 20 s, not 120: its
-            # recovery time is then blank, which this test does not check (the full run measures it).
-            "--recovery-wait-s", "20",
+            # A restarted engine the placement does not choose again is waited for 10 s, not 120: its recovery
+            # time is then blank, which this test does not check (the full run measures it).
+            "--recovery-wait-s", "10",
             # While an engine restarts, 3 turns show serving goes on; more would only slow the restart (which must
             # import vLLM in three processes one after another) and add answers to check.
             "--outage-turns", "3",
