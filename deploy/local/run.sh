@@ -77,6 +77,9 @@ setup() {
     "${uninstall[@]}" torchvision torchaudio torchcodec 2>/dev/null || true
     touch "$stamp"
   fi
+  # The checkout's own modules, byte-compiled once: with PYTHONDONTWRITEBYTECODE set (as on CI here) no import
+  # writes them, and every engine, sidecar and broker process would compile what it imports of kvloop again.
+  "$VENV/bin/python" -m compileall -q -j 0 kvloop tests >/dev/null
 }
 
 cmd=${1:-}
