@@ -58,11 +58,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     def key(item: pytest.Item) -> tuple[int, int]:
         marker = item.get_closest_marker("stops_engines")
         if marker is not None:
-            return (2, int(marker.kwargs.get("order", 1)))
-        return (1, 0) if item.get_closest_marker("vllm") is not None else (0, 0)
+            return (3, int(marker.kwargs.get("order", 1)))
+        if item.get_closest_marker("vllm") is None:
+            return (0, 0)
+        return (2, 0) if "pd_engines" in getattr(item, "fixturenames", ()) else (1, 0)
 
-    # Stable: the tests without engines first (the engine tests' model builds meanwhile, see deploy/local/run.sh),
-    # then those with, then those that stop the shared engines, lower order first.
+    # Stable: the tests without engines first (the engine tests' model builds meanwhile, see deploy/local/run.sh);
+    # then the engine tests that start their own, before the shared engines start: idle, those still hold about 6 GB
+    # and made the runs after them slower (the CI load run 146 s beside them, 105 s alone); then the tests on the
+    # shared engines; last those that stop them, lower order first.
     items.sort(key=key)
 
 
