@@ -55,7 +55,7 @@ def engine_from_pb(msg: pb.Engine) -> EngineInfo:
         engine_id=msg.engine_id, role=role_from_pb(msg.role), block_size=msg.block_size,
         layout_fingerprint=msg.layout_fingerprint, retention_budget_blocks=msg.retention_budget_blocks,
         addresses=addresses_from_pb(msg.addresses), incarnation=msg.incarnation, model=msg.model,
-        host_tier_blocks=msg.host_tier_blocks,
+        host_tier_blocks=msg.host_tier_blocks, host_tier_first_id=msg.host_tier_first_id,
     )
 
 
@@ -64,7 +64,7 @@ def engine_to_pb(info: EngineInfo) -> pb.Engine:
         engine_id=info.engine_id, role=_ROLE_TO_PB[info.role], addresses=addresses_to_pb(info.addresses),
         block_size=info.block_size, layout_fingerprint=info.layout_fingerprint,
         retention_budget_blocks=info.retention_budget_blocks, incarnation=info.incarnation, model=info.model,
-        host_tier_blocks=info.host_tier_blocks,
+        host_tier_blocks=info.host_tier_blocks, host_tier_first_id=info.host_tier_first_id,
     )
 
 

@@ -40,7 +40,9 @@ class EvictionReason(enum.Enum):
 class Tier(enum.Enum):
     """Where a lease's blocks live on its engine, in demotion order: the engine's own KV pool, then its host tier
     (``EngineInfo.host_tier_blocks`` slots of host memory registered with NIXL like the pool). A lease's
-    ``block_ids`` are ids in its tier: pool block ids, or host slots."""
+    ``block_ids`` are the ids NIXL reads them by: pool block ids, or host slot ids, which run from
+    ``EngineInfo.host_tier_first_id`` (one id space per engine, so a reader builds descriptors for either tier the
+    same way)."""
 
     POOL = "pool"
     HOST = "host"
@@ -71,6 +73,9 @@ class EngineInfo:
     """The name the engine serves in the OpenAI API; "" for an engine that did not say (it serves any model)."""
     host_tier_blocks: int = 0
     """Slots of the engine's host tier (0: none; its evictions drop)."""
+    host_tier_first_id: int = 0
+    """The id of the tier's first slot; its slots are ``host_tier_first_id .. + host_tier_blocks - 1``. kvloop's
+    connector lays the tier after the pool in the same NIXL registration, so this is the pool's block count."""
 
     def same_layout(self, other: EngineInfo) -> bool:
         return (self.block_size, self.layout_fingerprint) == (other.block_size, other.layout_fingerprint)

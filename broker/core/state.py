@@ -127,6 +127,8 @@ def check_engine_info(info: EngineInfo, lim: Limits) -> None:
     if not 0 <= info.host_tier_blocks <= lim.max_host_tier_blocks:
         raise InvalidArgument(f"engine.host_tier_blocks: must be within 0..{lim.max_host_tier_blocks}",
                               field="engine.host_tier_blocks")
+    if not 0 <= info.host_tier_first_id < 1 << 40:
+        raise InvalidArgument("engine.host_tier_first_id: must be within 0..2^40-1", field="engine.host_tier_first_id")
     _check_address(info.addresses.grpc, "engine.addresses.grpc", HOST_PORT, "host:port")
     _check_address(info.addresses.nixl, "engine.addresses.nixl", HOST_PORT, "host:port")
     _check_address(info.addresses.http, "engine.addresses.http", HTTP_URL, "an http(s)://host[:port] URL")
@@ -520,8 +522,9 @@ class BrokerState:
                 return None
             for victim in victims:
                 commands.extend(self._evict(victim, reason, now))
-        slots = tuple(s for s, _ in zip((s for s in range(capacity) if s not in books.host_slots), range(need),
-                                        strict=False))
+        first = rec.info.host_tier_first_id
+        slots = tuple(s for s, _ in zip((s for s in range(first, first + capacity) if s not in books.host_slots),
+                                        range(need), strict=False))
         pool_ids = lease.block_ids
         self._release_blocks(books, lease)
         lease.tier, lease.block_ids = Tier.HOST, slots

@@ -371,7 +371,7 @@ async def test_a_budget_eviction_demotes_to_the_host_tier_and_the_plan_pulls_fro
     await register_cluster(broker, pre, fp, decode_budget=4)
     dec = f"{pre}-d"
     with_tier = engine(dec, pb.ENGINE_ROLE_DECODE, fp, budget=4)
-    with_tier.host_tier_blocks = 8
+    with_tier.host_tier_blocks, with_tier.host_tier_first_id = 8, 64  # slots 64..71, after a 64-block pool
     await broker.stub.RegisterEngine(pb.RegisterEngineRequest(engine=with_tier), timeout=5)
     call = watch(broker, dec)
     try:
@@ -383,7 +383,7 @@ async def test_a_budget_eviction_demotes_to_the_host_tier_and_the_plan_pulls_fro
         (demote,) = pub.evictions
         assert demote.lease_id == first.lease_id and demote.reason == pb.EVICTION_REASON_BUDGET
         assert list(demote.block_ids) == [0, 1, 2] and demote.tier == pb.TIER_POOL
-        assert list(demote.demote_to_block_ids) == [0, 1, 2]
+        assert list(demote.demote_to_block_ids) == [64, 65, 66]
         assert await call.take(1) == [demote]
         held = lease_by_id(await broker.inspect(), first.lease_id)
         assert held is not None and held.tier == pb.TIER_HOST and held.demoting
@@ -399,8 +399,8 @@ async def test_a_budget_eviction_demotes_to_the_host_tier_and_the_plan_pulls_fro
         plan = await broker.stub.Place(place_request(history + tokens(BS, start=5_000), fp, session="s", pin=True),
                                        timeout=5)
         assert plan.decision == pb.DECISION_TRANSFER and plan.source_lease_id == first.lease_id
-        assert plan.source_tier == pb.TIER_HOST and list(plan.source_block_ids) == [0, 1, 2]
-        assert plan.pin.tier == pb.TIER_HOST and list(plan.pin.block_ids) == [0, 1, 2]
+        assert plan.source_tier == pb.TIER_HOST and list(plan.source_block_ids) == [64, 65, 66]
+        assert plan.pin.tier == pb.TIER_HOST and list(plan.pin.block_ids) == [64, 65, 66]
     finally:
         await call.close()
 

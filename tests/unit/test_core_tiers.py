@@ -40,9 +40,14 @@ def keys(n: int, start: int = 0) -> tuple[bytes, ...]:
     return tuple(block_keys(list(range(start, start + n)), 1, EXTRA))
 
 
+FIRST = 50
+"""The tier's first slot id (after the pool's blocks, as kvloop's connector lays it out)."""
+
+
 def broker(budget: int = 4, host: int = 4, **limits: Any) -> BrokerState:
     state = BrokerState(LruPolicy(), limits=Limits(**{"engine_ttl_s": 1e4, **limits}), new_id=ids())
-    state.register(EngineInfo("d", Role.DECODE, 1, "fp", budget, host_tier_blocks=host), 0.0)
+    state.register(EngineInfo("d", Role.DECODE, 1, "fp", budget, host_tier_blocks=host, host_tier_first_id=FIRST),
+                   0.0)
     state.register(EngineInfo("p", Role.PREFILL, 1, "fp", 0), 0.0)
     state.take_changes()
     return state
@@ -58,9 +63,9 @@ def test_a_budget_eviction_demotes_and_the_lease_is_offered_again_once_copied() 
     first, _ = publish(state, 3, 0, range(0, 3), 1.0)
     second, commands = publish(state, 3, 100, range(3, 6), 2.0)
     (cmd,) = commands
-    assert (cmd.lease_id, cmd.block_ids, cmd.tier, cmd.demote_to) == (first, (0, 1, 2), Tier.POOL, (0, 1, 2))
+    assert (cmd.lease_id, cmd.block_ids, cmd.tier, cmd.demote_to) == (first, (0, 1, 2), Tier.POOL, (50, 51, 52))
     lease = state.leases[first]
-    assert lease.tier is Tier.HOST and lease.block_ids == (0, 1, 2) and lease.demoting_until > 0
+    assert lease.tier is Tier.HOST and lease.block_ids == (50, 51, 52) and lease.demoting_until > 0
     assert state.retained_blocks("d") == 3 and state.host_blocks("d") == 3
     request = PlaceInput(keys=keys(4, 0), num_tokens=4, block_size=1, layout_fingerprint="fp")
     assert state.place(request, 3.0).matched_blocks == 0  # not offered while the copy runs
@@ -68,7 +73,7 @@ def test_a_budget_eviction_demotes_and_the_lease_is_offered_again_once_copied() 
         state.pin("p", first, 3, 5.0, 3.0)
     assert state.complete_demotion("d", first, True, 3.0) is lease and not lease.demoting_until
     plan = state.place(request, 4.0)
-    assert plan.source_lease_id == first and plan.source_tier is Tier.HOST and plan.source_block_ids == (0, 1, 2)
+    assert plan.source_lease_id == first and plan.source_tier is Tier.HOST and plan.source_block_ids == (50, 51, 52)
     assert plan.decision.value != "DECODE_LOCAL"  # on the host tier the decode engine does not hold it itself
     state.pin("p", first, 3, 5.0, 4.0)
     assert state.leases[second].tier is Tier.POOL
@@ -81,7 +86,7 @@ def test_the_tier_drops_its_least_recent_lease_for_room_and_ttl_ends_a_demoted_l
     state.complete_demotion("d", a, True, 2.0)
     assert state.leases[a].expires_at == 32.0  # the host tier's TTL from the demotion
     c, commands = publish(state, 2, 200, range(4, 6), 3.0)
-    assert [(x.lease_id, x.tier, x.demote_to) for x in commands] == [(a, Tier.HOST, ()), (b, Tier.POOL, (0, 1))]
+    assert [(x.lease_id, x.tier, x.demote_to) for x in commands] == [(a, Tier.HOST, ()), (b, Tier.POOL, (50, 51))]
     assert a not in state.leases and state.leases[b].tier is Tier.HOST
     state.complete_demotion("d", b, True, 3.0)
     state.take_changes()
@@ -111,7 +116,7 @@ def test_a_pinned_lease_is_not_taken_for_room_and_a_lost_copy_is_dropped() -> No
     state.complete(pin.pin_id, True, 0, 0.0, 3.0)
     state.keepalive("d", EngineLoad(memory_pressure=True, pressure_free_blocks=3), 3.0)
     (cmd,) = state.take_changes().commands
-    assert cmd.demote_to == (0, 1, 2) and cmd.reason is EvictionReason.MEMORY_PRESSURE
+    assert cmd.demote_to == (50, 51, 52) and cmd.reason is EvictionReason.MEMORY_PRESSURE
     state.tick(9.0)  # the engine never reported the copy
     (lost,) = state.take_changes().commands
     assert (lost.lease_id, lost.tier, lost.reason) == (a, Tier.HOST, EvictionReason.DEMOTION_FAILED)
@@ -134,6 +139,10 @@ def test_demotion_reports_are_checked() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- random runs
+TIER_FIRST = 1 << 20
+"""In random runs pool block ids grow without bound; the tier's ids start above every one of them."""
+
+
 class FakeEngine:
     """An engine applying the broker's commands to its own memory: which lease holds each pool block and slot."""
 
@@ -153,7 +162,7 @@ class FakeEngine:
             for slot in held:
                 assert self.slots.pop(slot) == cmd.lease_id, "a slot freed twice or not this lease's"
         if cmd.demote_to:
-            assert len(cmd.demote_to) == len(held) and max(cmd.demote_to) < self.capacity
+            assert len(cmd.demote_to) == len(held) and TIER_FIRST <= min(cmd.demote_to) <= max(cmd.demote_to) < TIER_FIRST + self.capacity
             for slot in cmd.demote_to:
                 assert slot not in self.slots, "a copy over another lease's slot"
                 self.slots[slot] = cmd.lease_id
@@ -177,7 +186,8 @@ def test_random_runs_keep_the_tiers_books_and_the_engines_memory_in_agreement(
         budget: int, host: int, run: list[tuple[Any, ...]]) -> None:
     limits = Limits(demotion_timeout_s=10.0, host_ttl_s=15.0, engine_ttl_s=1e4)
     state = BrokerState(LruPolicy(), limits=limits, new_id=ids())
-    state.register(EngineInfo("d", Role.DECODE, 1, "fp", budget, host_tier_blocks=host), 0.0)
+    state.register(EngineInfo("d", Role.DECODE, 1, "fp", budget, host_tier_blocks=host, host_tier_first_id=TIER_FIRST),
+                   0.0)
     state.register(EngineInfo("p", Role.PREFILL, 1, "fp", 0), 0.0)
     engine = FakeEngine(host)
     holds: dict[str, tuple[Tier, tuple[int, ...]]] = {}
@@ -233,8 +243,9 @@ def test_the_store_keeps_a_demoted_lease_and_the_engines_tier() -> None:
     publish(state, 2, 100, range(2, 4), 2.0)
     lease = state.leases[a]
     back = codec.decode_lease(codec.encode_lease(lease))
-    assert (back.tier, back.block_ids) == (Tier.HOST, (0, 1)) and back.demoting_until == lease.demoting_until > 0
+    assert (back.tier, back.block_ids) == (Tier.HOST, (50, 51)) and back.demoting_until == lease.demoting_until > 0
     assert codec.decode_engine(codec.encode_engine(state.engines["d"])).info.host_tier_blocks == 4
+    assert codec.decode_engine(codec.encode_engine(state.engines["d"])).info.host_tier_first_id == FIRST
     restored = BrokerState(LruPolicy(), limits=Limits(engine_ttl_s=1e4), new_id=ids())
     restored.load(list(state.engines.values()), [back, *(x for x in state.leases.values() if x is not lease)], [])
     assert restored.host_blocks("d") == 2 and restored.retained_blocks("d") == 2
