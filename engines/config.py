@@ -155,6 +155,9 @@ class EngineConfig(ServiceConfig):
     sidecar_listen: str = setting("", "the sidecar's gRPC health address host:port (default: host and a free port)")
     retention_fraction: float = setting(0.5, "decode: share of the KV blocks the broker may keep retained")
     lease_ttl_s: float = setting(0.0, "decode: TTL asked for each published lease (0 = the broker's default)")
+    host_tier_blocks: int = setting(0, "decode, kvloop connector: KV blocks kept back from vLLM's pool as a host "
+                                       "tier that evictions demote into (0 = none); on the CPU build they are "
+                                       "part of the KV cache's allocation, so vLLM schedules the rest")
     hold_s: float = setting(DEFAULT_HOLD_S, "decode: engine-side safety hold of retained blocks, renewed by the "
                                             "sidecar while their lease lives; above the broker's engine TTL")
     broker_tls_ca: Path | None = setting(None, "sidecar: PEM CA that signed the broker's certificate (TLS to the "
@@ -220,6 +223,9 @@ class EngineConfig(ServiceConfig):
         self._require(0 < self.retention_fraction <= 1, "retention_fraction", "must be in (0, 1]")
         self._require(self.lease_ttl_s >= 0, "lease_ttl_s", "must be >= 0")
         self._require(self.hold_s > 0, "hold_s", "must be positive")
+        self._require(self.host_tier_blocks >= 0, "host_tier_blocks", "must be 0 (none) or more")
+        self._require(self.host_tier_blocks == 0 or (self.connector == "kvloop" and self.role != "prefill"),
+                      "host_tier_blocks", "needs the kvloop connector on an engine that retains (decode or both)")
         self._require(self.ipc_spin_s >= 0, "ipc_spin_s", "must be 0 or more (seconds)")
         for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
             value = getattr(self, name)
@@ -284,7 +290,8 @@ class EngineConfig(ServiceConfig):
         extra: dict[str, Any] = {}
         if self.connector == "kvloop":
             config["kv_load_failure_policy"] = "recompute"
-            settings = ConnectorSettings(kvloop_hold_s=self.hold_s, kvloop_sidecar_socket=str(sidecar_socket or ""))
+            settings = ConnectorSettings(kvloop_hold_s=self.hold_s, kvloop_sidecar_socket=str(sidecar_socket or ""),
+                                         kvloop_host_tier_blocks=self.host_tier_blocks)
             # The hold always (the connector's and this config's defaults are one, but a reader of the engine's
             # command line should see it); the socket only when there is a sidecar.
             extra.update({"bidirectional_kv_xfer": True, "kvloop_hold_s": self.hold_s, **settings.to_extra()})

@@ -85,6 +85,27 @@ def peers_to_rehandshake(failed: Collection[str], invalid: Collection[str], know
     return sorted(e for e in failed if e not in invalid and e in known)
 
 
+def split_tier(num_blocks: int, host_tier_blocks: int) -> tuple[int, int]:
+    """The KV allocation's ``num_blocks`` split into vLLM's pool and the host tier: ``(pool_blocks, first_id)``,
+    the tier being ids ``first_id .. num_blocks - 1`` (so ``first_id == pool_blocks``). ValueError naming the
+    setting when the tier would leave the pool empty."""
+    if host_tier_blocks < 0 or host_tier_blocks >= num_blocks:
+        raise ValueError(f"kvloop_host_tier_blocks: {host_tier_blocks} must be within 0..{num_blocks - 1} (the KV "
+                         f"cache holds {num_blocks} blocks and vLLM's pool keeps the rest)")
+    return num_blocks - host_tier_blocks, num_blocks - host_tier_blocks
+
+
+def demotion_copies(block_ids: Sequence[int], to_ids: Sequence[int], first_id: int,
+                    tier_blocks: int) -> list[tuple[int, int]] | None:
+    """The ``(pool block, tier slot)`` copies that demote a retained request; None when the broker's slots do not
+    fit it (one per block, each inside the tier, none twice)."""
+    if len(to_ids) != len(block_ids) or len(set(to_ids)) != len(to_ids):
+        return None
+    if any(not first_id <= s < first_id + tier_blocks for s in to_ids):
+        return None
+    return list(zip(block_ids, to_ids, strict=True))
+
+
 def bytes_per_block(tensor_sizes: Sequence[int], num_blocks: int) -> int:
     """KV bytes one block occupies across all layers' cache tensors (0 when unknown)."""
     return sum(int(s) for s in tensor_sizes) // max(1, int(num_blocks)) if tensor_sizes else 0

@@ -35,12 +35,14 @@ _STOP = object()
 
 @dataclass
 class Command:
-    """A command from the sidecar: free these requests (applied by the connector at its next step), or hold
-    these ``hold_s`` longer (applied here, to the safety-hold deadlines)."""
+    """A command from the sidecar: free these requests, or copy these into their host-tier slots then free them
+    (both applied by the connector at its next step), or hold these ``hold_s`` longer (applied here, to the
+    safety-hold deadlines)."""
 
     release: list[str] = field(default_factory=list)
     hold: list[str] = field(default_factory=list)
     hold_s: float = 0.0
+    demote: dict[str, list[int]] = field(default_factory=dict)
 
 
 class EngineLinkClient:
@@ -127,9 +129,10 @@ class EngineLinkClient:
                 for rid in command.hold:
                     if rid in self._holds:
                         self._holds[rid] = max(self._holds[rid], now + command.hold_s)
-        if command.release:
-            self.untrack_many(command.release)
-            self._commands.append(Command(release=command.release))
+        if command.release or command.demote:
+            # A demoted request's blocks are freed once copied: its safety hold ends here, as a release's does.
+            self.untrack_many([*command.release, *command.demote])
+            self._commands.append(Command(release=command.release, demote=command.demote))
             self.wake()
 
     def untrack_many(self, request_ids: list[str]) -> None:
@@ -186,7 +189,8 @@ class EngineLinkClient:
                         self.connected.set()
                         attempt = 0
                     self._deliver(Command(release=list(reply.release_request_ids),
-                                          hold=list(reply.hold_request_ids), hold_s=reply.hold_s))
+                                          hold=list(reply.hold_request_ids), hold_s=reply.hold_s,
+                                          demote={d.request_id: list(d.to_block_ids) for d in reply.demote}))
             except grpc.RpcError as exc:
                 if not self._stop.is_set():
                     log.info("kvloop: engine link to %s broke (%s); reconnecting", self.socket_path,

@@ -26,7 +26,14 @@ from vllm.logger import init_logger
 from vllm.v1.engine import EngineCoreRequestType
 from vllm.v1.request import RequestStatus
 
-from kvloop.engines.connector.books import PrefillBooks, RetainedRequest, bytes_per_block, retain
+from kvloop.engines.connector.books import (
+    PrefillBooks,
+    RetainedRequest,
+    bytes_per_block,
+    demotion_copies,
+    retain,
+    split_tier,
+)
 from kvloop.engines.connector.patches import install_idle_fix
 from kvloop.shared.protocol import (
     DECODE_LOCAL_KEY,
@@ -81,6 +88,16 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
         self._single_group = len(kv_cache_config.kv_cache_groups) == 1
         tensors = getattr(kv_cache_config, "kv_cache_tensors", None) or []
         self.bytes_per_block = bytes_per_block([t.size for t in tensors], kv_cache_config.num_blocks)
+        # The host tier: the top of the KV allocation, kept from vLLM's pool. vLLM's Scheduler builds its block
+        # pool from this same config right after its connector, so the scheduler never hands out the tier's ids;
+        # the workers (configured before) still address, and NIXL still registers, the whole allocation.
+        self.host_tier_blocks = settings.kvloop_host_tier_blocks if self.retain else 0
+        self.pool_blocks, self.host_tier_first_id = split_tier(int(kv_cache_config.num_blocks), self.host_tier_blocks)
+        kv_cache_config.num_blocks = self.pool_blocks
+        self._copies: list[tuple[int, int]] = []
+        """Demotion copies for the next step's connector metadata."""
+        self._demoting: set[str] = set()
+        """Retained requests whose copy is in a step that has not reported them freed yet."""
         self._link: EngineLinkClient | None = None
         socket_path = settings.kvloop_sidecar_socket or os.environ.get("KVLOOP_SIDECAR_SOCKET", "")
         if socket_path:
@@ -99,12 +116,14 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
                 input_queue.put_nowait((EngineCoreRequestType.ABORT, []))  # a no-op that ends a blocking wait
 
         hello = lpb.ConnectorHello(engine_id=self.engine_id, incarnation=uuid.uuid4().hex, block_size=self.block_size,
-                                   num_blocks=int(kv_cache_config.num_blocks), bytes_per_block=self.bytes_per_block,
-                                   kv_role_decode=self.retain)
+                                   num_blocks=self.pool_blocks, bytes_per_block=self.bytes_per_block,
+                                   kv_role_decode=self.retain, host_tier_blocks=self.host_tier_blocks,
+                                   host_tier_first_id=self.host_tier_first_id if self.host_tier_blocks else 0)
         self._link = EngineLinkClient(socket_path, hello, wake)
         self._link.start(resend=self._retained_events)
-        logger.info("kvloop connector %s: engine link on %s, retain=%s, hold %.0fs", self.engine_id,
-                    socket_path, self.retain, self.hold_s)
+        logger.info("kvloop connector %s: engine link on %s, retain=%s, hold %.0fs, host tier %d blocks from id %d",
+                    self.engine_id, socket_path, self.retain, self.hold_s, self.host_tier_blocks,
+                    self.host_tier_first_id)
 
     def _retained_events(self) -> list[Any]:
         # Called on the link thread after a reconnect; a snapshot, since the scheduler may change the dict.
@@ -153,6 +172,14 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
             books = self._prefills.get(rid)
             if books is not None:
                 books.pull_finished(rid in failed, now)
+        if self._demoting and self._link is not None:
+            from kvloop.v1 import engine_link_pb2 as lpb
+
+            # Freed at the end of the step whose start copied them: the tier now holds the blocks.
+            for rid in self._demoting.intersection(connector_output.finished_sending or ()):
+                self._demoting.discard(rid)
+                self._link.send(lpb.ConnectorEvent(demoted=lpb.Demoted(request_id=rid, ok=True)))
+                self._link.send(lpb.ConnectorEvent(freed=lpb.Freed(request_id=rid, why="demoted")))
 
     def _prefill_report(self, request: Request) -> PrefillReport | None:
         books = self._prefills.pop(request.request_id, None)
@@ -189,8 +216,10 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
         # one never was, and without this its blocks were never freed: neither on release nor when the safety hold
         # ran out (kvloop bench chaos found a decode engine holding 1,156 blocks with no lease and no request).
         self._reqs_in_batch.add(rid)
+        # (A block id in the host tier's range would mean vLLM's pool was not built from the carved config.)
         retainable = (request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
-                      and self._single_group and self._link is not None)
+                      and self._single_group and self._link is not None
+                      and max(block_ids[0], default=0) < self.pool_blocks)
         retained = retain(request.all_token_ids, list(block_ids[0]), request.num_computed_tokens, self.block_size,
                           str(params.get(SESSION_KEY) or "")) if retainable else None
         if retained is None or self._link is None:
@@ -209,7 +238,12 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
         if self._link is not None:
             self._apply_commands(self._link)
-        return super().build_connector_meta(scheduler_output)
+        meta = super().build_connector_meta(scheduler_output)
+        if self._copies:
+            # The workers copy at the start of this step (KvloopConnectorWorker.start_load_kv); the same step's
+            # metadata frees the blocks (reqs_to_send, due now), which the workers report only at its end.
+            meta.kvloop_copies, self._copies = self._copies, []
+        return meta
 
     def _apply_commands(self, link: EngineLinkClient) -> None:
         from kvloop.v1 import engine_link_pb2 as lpb
@@ -220,6 +254,21 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
                 if self._retained.pop(rid, None) is not None:
                     self._reqs_need_send[rid] = now  # the workers free it at this step
                     link.send(lpb.ConnectorEvent(freed=lpb.Freed(request_id=rid, why="released")))
+            for rid, to_ids in command.demote.items():
+                retained = self._retained.pop(rid, None)
+                copies = (demotion_copies(retained.block_ids, to_ids, self.host_tier_first_id, self.host_tier_blocks)
+                          if retained is not None else None)
+                if retained is not None:
+                    self._reqs_need_send[rid] = now  # freed at this step, after its copy (if any) at its start
+                if copies is None:
+                    if retained is not None:
+                        logger.warning("kvloop: demotion of %s to %s does not fit the host tier; released", rid,
+                                       to_ids)
+                        link.send(lpb.ConnectorEvent(freed=lpb.Freed(request_id=rid, why="released")))
+                    link.send(lpb.ConnectorEvent(demoted=lpb.Demoted(request_id=rid, ok=False)))
+                    continue
+                self._copies.extend(copies)
+                self._demoting.add(rid)
 
     def shutdown(self) -> None:
         if self._link is not None:

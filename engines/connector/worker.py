@@ -10,13 +10,16 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
+from vllm.v1.worker.utils import copy_kv_cache_blocks_inplace
 
 from kvloop.engines.connector.books import peers_to_rehandshake, split_lease_reads
 from kvloop.engines.connector.patches import nixl_progress_delay
 from kvloop.shared.protocol import LEASE_READ_PREFIX, ConnectorSettings
 
 if TYPE_CHECKING:
+    import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
@@ -57,15 +60,37 @@ def keep_cpu_binding() -> Iterator[None]:
 
 class KvloopConnectorWorker(NixlPullConnectorWorker):
     """Upstream's worker, its NIXL agent created with ``kvloop_nixl_progress_delay_us``, its notifications
-    filtered by :class:`CountingNotifs`, and the engine's CPU binding kept (:func:`keep_cpu_binding`)."""
+    filtered by :class:`CountingNotifs`, the engine's CPU binding kept (:func:`keep_cpu_binding`), and the host
+    tier's demotion copies made at the start of the step that frees their blocks.
+
+    The tier is the top ``kvloop_host_tier_blocks`` blocks of the KV allocation: the workers' config (sent before
+    the scheduler carves it, see ``KvloopConnectorScheduler``) still counts them, so the cache tensors, NIXL's
+    registration and every peer's descriptors cover them, and a pull reads a slot like any block."""
 
     def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig) -> None:
         settings = ConnectorSettings.from_extra(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        self._total_blocks = int(kv_cache_config.num_blocks)
+        self._host_tier_blocks = settings.kvloop_host_tier_blocks
+        self._caches: list[torch.Tensor] = []
         with nixl_progress_delay(settings.kvloop_nixl_progress_delay_us), keep_cpu_binding():
             super().__init__(vllm_config, engine_id, kv_cache_config)
         wrapper: Any = getattr(self, "nixl_wrapper", None)
         if wrapper is not None:
             self.nixl_wrapper = CountingNotifs(wrapper)
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        super().register_kv_caches(kv_caches)
+        self._caches = list(kv_caches.values())
+        if self._host_tier_blocks:
+            # A copy of block 0 onto itself: a layout the per-block copy cannot address fails here, at start,
+            # not at the first demotion.
+            copy_kv_cache_blocks_inplace(self._caches, self._total_blocks, [(0, 0)])
+
+    def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
+        copies = getattr(metadata, "kvloop_copies", None)
+        if copies:
+            copy_kv_cache_blocks_inplace(self._caches, self._total_blocks, copies)
+        super().start_load_kv(metadata)
 
     def _cleanup_remote_engines(self) -> None:
         """Upstream's cleanup, after a peer that failed a read is marked for a fresh handshake.

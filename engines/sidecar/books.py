@@ -16,11 +16,18 @@ PREFILL_SAMPLE_MIN_TOKENS = 256
 
 @dataclass
 class LeaseBooks:
-    """Retained request id <-> lease id for one engine incarnation, and the last eviction command applied."""
+    """Retained request id <-> lease id for one engine incarnation, the leases on the engine's host tier, and the
+    last eviction command applied.
+
+    A lease's life here: ``claim`` -> ``published`` (held: the connector retains its request's pool blocks) ->
+    either ``forget`` (released) or ``demoting`` (the connector copies it to the tier) -> ``demoted`` (on the
+    tier: no request, nothing the connector frees) -> ``drop_hosted``."""
 
     held: dict[str, str] = field(default_factory=dict)       # request id -> lease id
     by_lease: dict[str, str] = field(default_factory=dict)   # lease id -> request id
     publishing: set[str] = field(default_factory=set)        # request ids whose PublishLease is in flight
+    copying: dict[str, str] = field(default_factory=dict)    # request id -> lease id, its demotion under way
+    hosted: set[str] = field(default_factory=set)            # lease ids on the host tier
     last_seq: int = 0
 
     def claim(self, request_id: str) -> bool:
@@ -49,9 +56,39 @@ class LeaseBooks:
                 self.by_lease.pop(lease, None)
 
     def not_live(self, live_lease_ids: Iterable[str]) -> list[str]:
-        """Requests whose lease the broker no longer lists (after a re-registration or a RESYNC command)."""
+        """Requests whose lease the broker no longer lists (after a re-registration or a RESYNC command); host-tier
+        leases it no longer lists are forgotten (their slots hold nothing the engine frees)."""
         live = set(live_lease_ids)
+        self.hosted &= live
         return [rid for rid, lease in self.held.items() if lease not in live]
+
+    def known(self) -> set[str]:
+        """Every lease this engine holds, in either tier."""
+        return set(self.by_lease) | self.hosted | set(self.copying.values())
+
+    def demoting(self, lease_id: str) -> str | None:
+        """The broker demotes ``lease_id``: the request whose blocks the connector must copy, or None when this
+        engine holds no such request (the demotion has failed)."""
+        rid = self.by_lease.pop(lease_id, None)
+        if rid is None:
+            return None
+        del self.held[rid]
+        self.copying[rid] = lease_id
+        return rid
+
+    def demoted(self, request_id: str, ok: bool) -> str | None:
+        """The connector's report of a copy: the lease to report to the broker (None: not one being demoted)."""
+        lease = self.copying.pop(request_id, None)
+        if lease is not None and ok:
+            self.hosted.add(lease)
+        return lease
+
+    def drop_hosted(self, lease_id: str) -> bool:
+        """The broker dropped a host-tier lease (TTL, room, a failed copy): whether this engine had it."""
+        if lease_id in self.hosted:
+            self.hosted.discard(lease_id)
+            return True
+        return any(self.copying.pop(rid) for rid, lease in list(self.copying.items()) if lease == lease_id)
 
     def is_new(self, seq: int) -> bool:
         """Whether an eviction command is new (commands come on the stream and with PublishLease replies);
@@ -76,6 +113,8 @@ class LeaseBooks:
         self.held.clear()
         self.by_lease.clear()
         self.publishing.clear()
+        self.copying.clear()
+        self.hosted.clear()
 
 
 def ewma(old: float, new: float, weight: float = 0.3) -> float:

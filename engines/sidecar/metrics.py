@@ -42,6 +42,10 @@ class SidecarMetrics:
         self.engine_responsive = Gauge("kvloop_sidecar_engine_responsive", "1 while the engine answers its /health "
                                        "(0: keep-alives withheld, see engine_unresponsive_s)", registry=r)
         self.engine_responsive.set(1)
+        self.demotions = Counter("kvloop_sidecar_demotions_total", "leases the broker demoted to the host tier, by "
+                                 "outcome (copied, failed)", ["outcome"], registry=r)
+        self.host_tier_leases = Gauge("kvloop_sidecar_host_tier_leases", "leases on the engine's host tier",
+                                      registry=r)
         self.transfer_bps = Gauge("kvloop_sidecar_transfer_bytes_per_second", "Measured NIXL pull bandwidth",
                                   registry=r)
 

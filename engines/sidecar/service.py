@@ -96,6 +96,8 @@ class Sidecar(engine_link_pb2_grpc.EngineLinkServicer):
                 self._on_freed(event.freed)
             elif kind == "prefill_done":
                 self._on_prefill_done(event.prefill_done)
+            elif kind == "demoted":
+                self._on_demoted(event.demoted)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
@@ -162,7 +164,9 @@ class Sidecar(engine_link_pb2_grpc.EngineLinkServicer):
                                                       nixl=self.config.nixl_address),
                          block_size=self.hello.block_size, layout_fingerprint=self.config.layout_fingerprint,
                          retention_budget_blocks=budget if self.hello.kv_role_decode else 0,
-                         incarnation=self.hello.incarnation, model=self.config.served_model)
+                         incarnation=self.hello.incarnation, model=self.config.served_model,
+                         host_tier_blocks=self.hello.host_tier_blocks if self.hello.kv_role_decode else 0,
+                         host_tier_first_id=self.hello.host_tier_first_id)
 
     async def _register_forever(self) -> None:
         """Register (retrying with back-off), then keep alive and follow evictions until cancelled."""
@@ -179,7 +183,7 @@ class Sidecar(engine_link_pb2_grpc.EngineLinkServicer):
             self.keepalive_interval_s = max(0.2, reply.keepalive_interval_s or 2.0)
             self.books.last_seq = reply.last_eviction_seq
             self._release(self.books.not_live(reply.live_lease_ids), "resync")
-            for lease_id in set(reply.live_lease_ids) - set(self.books.by_lease):
+            for lease_id in set(reply.live_lease_ids) - self.books.known():
                 # The broker offers a lease this engine does not hold (its publication's reply, or the command
                 # that freed it, was lost in a fail-over): it must stop offering those blocks.
                 log.warning("lease.unknown_to_engine", lease=lease_id)
@@ -304,10 +308,56 @@ class Sidecar(engine_link_pb2_grpc.EngineLinkServicer):
         if command.reason == pb.EVICTION_REASON_RESYNC:
             self._release(self.books.not_live(command.live_lease_ids), "resync")
             return
+        if command.demote_to_block_ids:
+            self._demote(command, reason)
+            return
+        if command.tier == pb.TIER_HOST:
+            # The tier's slots hold nothing the engine frees: the broker reuses them for a later demotion.
+            if self.books.drop_hosted(command.lease_id):
+                self.metrics.released.labels(reason).inc()
+                log.info("lease.dropped_from_host_tier", lease=command.lease_id, reason=reason,
+                         slots=len(command.block_ids))
+            return
         rid = self.books.holder_of(command.lease_id)
         if rid is not None:
             log.info("lease.evicted", lease=command.lease_id, request=rid, reason=reason, blocks=len(command.block_ids))
             self._release([rid], reason)
+
+    def _demote(self, command: pb.EvictionCommand, reason: str) -> None:
+        """Ask the connector to copy the lease's blocks into the slots the broker chose, then free them; a lease
+        this engine does not hold (or an engine without a tier) fails at once, so the broker drops it."""
+        rid = self.books.demoting(command.lease_id)
+        if rid is None or not (self.hello and self.hello.host_tier_blocks):
+            if rid is not None:
+                self._release([rid], reason)
+                self.books.copying.pop(rid, None)
+            log.warning("lease.demotion_refused", lease=command.lease_id, request=rid,
+                        why="no host tier" if rid is not None else "not held here")
+            self._spawn(self._complete_demotion(command.lease_id, False))
+            return
+        log.info("lease.demoting", lease=command.lease_id, request=rid, reason=reason,
+                 slots=list(command.demote_to_block_ids)[:4])
+        self.metrics.leases.set(len(self.books.held))
+        self._command(lpb.ConnectorCommand(demote=[lpb.Demotion(request_id=rid,
+                                                                to_block_ids=list(command.demote_to_block_ids))]))
+
+    def _on_demoted(self, demoted: lpb.Demoted) -> None:
+        lease = self.books.demoted(demoted.request_id, demoted.ok)
+        self.metrics.host_tier_leases.set(len(self.books.hosted))
+        if lease is not None:
+            self._spawn(self._complete_demotion(lease, demoted.ok))
+
+    async def _complete_demotion(self, lease_id: str, success: bool) -> None:
+        self.metrics.demotions.labels("copied" if success else "failed").inc()
+        try:
+            await self.broker.call("CompleteDemotion", pb.CompleteDemotionRequest(
+                engine_id=self.config.engine_id, lease_id=lease_id, success=success))
+        except grpc.aio.AioRpcError as exc:
+            # The broker's demotion timeout drops the lease (its command frees the slots here): nothing is lost
+            # but the lease.
+            self.metrics.broker_errors.labels("CompleteDemotion").inc()
+            self.books.drop_hosted(lease_id)
+            log.info("lease.demotion_report_failed", lease=lease_id, code=exc.code().name, details=exc.details())
 
     async def _publish(self, retained: lpb.Retained) -> None:
         assert self.hello is not None

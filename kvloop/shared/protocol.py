@@ -52,6 +52,9 @@ class ConnectorSettings:
     """The sidecar's Unix socket (empty: ``KVLOOP_SIDECAR_SOCKET``, else no link: nothing published)."""
     kvloop_nixl_progress_delay_us: int = 1000
     """NIXL progress-thread poll delay; 0 = upstream's busy poll."""
+    kvloop_host_tier_blocks: int = 0
+    """Decode: blocks of the KV cache allocation kept back from vLLM's pool as the host tier (0 = none): the
+    scheduler gets ``num_blocks - kvloop_host_tier_blocks`` blocks, the tier the ids above them."""
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:

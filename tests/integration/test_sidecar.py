@@ -23,6 +23,7 @@ from kvloop.engines.connector.link import EngineLinkClient
 from kvloop.engines.sidecar import SidecarConfig
 from kvloop.shared.hashing import ExtraKeys, block_keys
 from kvloop.v1 import broker_pb2 as pb
+from kvloop.v1 import engine_link_pb2 as lpb
 from tests.integration.conftest import ModuleBrokerFactory
 from tests.integration.helpers import Broker, poll, publish_request
 from tests.support.sidecar_fakes import FP, FakeConnector, hello, retained, running_sidecar
@@ -143,6 +144,54 @@ async def test_books_that_differ_from_the_brokers_are_resynced(tmp_path: Path, b
         await poll(lambda: leases(broker, "books-1"), lambda ls: not ls, timeout_s=15,
                    what="the broker told to drop the lease the engine never held")
         await connector.close()
+
+
+def retained_tokens(request_id: str, tokens: list[int], first_block: int) -> lpb.ConnectorEvent:
+    return lpb.ConnectorEvent(retained=lpb.Retained(
+        request_id=request_id, token_ids=tokens, session_id="sess", hold_s=60,
+        block_ids=list(range(first_block, first_block + len(tokens) // 128))))
+
+
+async def test_a_budget_eviction_is_copied_to_the_host_tier_and_reported(tmp_path: Path, broker_address: str) -> None:
+    """The sidecar's half of a demotion: the broker's command becomes a copy command to the connector, the
+    connector's report becomes CompleteDemotion, and a lease on the tier is neither released nor renewed."""
+    broker = Broker(broker_address)
+    connector = FakeConnector(tmp_path / "s.sock")
+    tiered = lpb.ConnectorHello(engine_id="tier-1", incarnation="inc-tier", block_size=128, num_blocks=100,
+                                bytes_per_block=4096, kv_role_decode=True, host_tier_blocks=4, host_tier_first_id=100)
+    try:
+        async with running_sidecar(tmp_path, broker_address, "tier-1", retention_fraction=0.02):  # 2 pool blocks
+            await connector.attach(tiered)
+            status = await poll(lambda: engine_status(broker, "tier-1"), lambda s: s is not None, timeout_s=10,
+                                what="engine registered")
+            assert status is not None and (status.engine.host_tier_blocks, status.engine.host_tier_first_id) == (4, 100)
+            connector.events.put_nowait(retained_tokens("req-1", list(range(256)), 0))
+            (first,) = await poll(lambda: leases(broker, "tier-1"), lambda ls: len(ls) == 1, timeout_s=10,
+                                  what="the first lease")
+            connector.events.put_nowait(retained_tokens("req-2", list(range(1000, 1256)), 2))
+            demotes = await poll(lambda: asyncio.sleep(0, [d for c in connector.commands for d in c.demote]), bool,
+                                 timeout_s=10, what="a copy command")
+            assert [(d.request_id, list(d.to_block_ids)) for d in demotes] == [("req-1", [100, 101])]
+            assert "req-1" not in connector.released()  # copied, not dropped
+            connector.events.put_nowait(lpb.ConnectorEvent(demoted=lpb.Demoted(request_id="req-1", ok=True)))
+            connector.events.put_nowait(lpb.ConnectorEvent(freed=lpb.Freed(request_id="req-1", why="demoted")))
+            ready = await poll(lambda: leases(broker, "tier-1"),
+                               lambda ls: any(x.lease_id == first.lease_id and not x.demoting for x in ls),
+                               timeout_s=10, what="the demotion reported")
+            on_tier = next(x for x in ready if x.lease_id == first.lease_id)
+            assert on_tier.tier == pb.TIER_HOST and list(on_tier.block_ids) == [100, 101]
+            # A third lease demotes the second; its copy fails: the broker drops it, the tier keeps the first.
+            connector.events.put_nowait(retained_tokens("req-3", list(range(2000, 2256)), 4))
+            await poll(lambda: asyncio.sleep(0, [d.request_id for c in connector.commands for d in c.demote]),
+                       lambda ids: "req-2" in ids, timeout_s=10, what="the second copy command")
+            connector.events.put_nowait(lpb.ConnectorEvent(demoted=lpb.Demoted(request_id="req-2", ok=False)))
+            held = await poll(lambda: leases(broker, "tier-1"), lambda ls: len(ls) == 2, timeout_s=10,
+                              what="the failed copy dropped")
+            assert {(x.tier, tuple(x.block_ids)) for x in held} == {(pb.TIER_HOST, (100, 101)), (pb.TIER_POOL, (4, 5))}
+            assert not connector.released() & {"req-1", "req-2"}
+    finally:
+        await connector.close()
+        await broker.close()
 
 
 class FreezableEngine:

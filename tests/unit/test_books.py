@@ -14,9 +14,11 @@ from kvloop.engines.config import EngineConfig
 from kvloop.engines.connector.books import (
     PrefillBooks,
     bytes_per_block,
+    demotion_copies,
     peers_to_rehandshake,
     retain,
     split_lease_reads,
+    split_tier,
 )
 from kvloop.engines.connector.patches import RECHECK_MAX_MS, RECHECK_MIN_MS, recheck_ms
 from kvloop.engines.sidecar.books import LeaseBooks, Throughput, engine_load
@@ -102,6 +104,35 @@ def test_lease_books_resync_evict_and_engine_frees() -> None:
     assert books.freed_by_engine("r2") is None  # the sidecar had asked for it
     books.forget(["r1"])
     assert books.held == {} and books.by_lease == {}
+
+
+def test_lease_books_follow_a_lease_to_the_host_tier_and_out() -> None:
+    books = LeaseBooks()
+    books.published("r1", "L1")
+    books.published("r2", "L2")
+    assert books.demoting("L9") is None  # not held here: the demotion fails
+    assert books.demoting("L1") == "r1" and "r1" not in books.held and books.holder_of("L1") is None
+    assert books.known() == {"L1", "L2"}  # mid-copy, still this engine's
+    assert books.freed_by_engine("r1") is None  # the connector frees a demoted request: no release at the broker
+    assert books.demoted("r1", True) == "L1" and books.hosted == {"L1"} and books.demoted("r1", True) is None
+    assert books.not_live(["L1", "L2"]) == [] and books.known() == {"L1", "L2"}
+    assert books.demoting("L2") == "r2" and books.demoted("r2", False) == "L2" and books.hosted == {"L1"}
+    assert books.not_live([]) == [] and books.hosted == set()  # a resync forgets tier leases the broker dropped
+    books.published("r3", "L3")
+    books.demoting("L3")
+    assert books.drop_hosted("L3") and books.demoted("r3", True) is None  # timed out at the broker mid-copy
+    assert not books.drop_hosted("L3")
+
+
+def test_the_tier_is_the_top_of_the_allocation_and_copies_must_fit_it() -> None:
+    assert split_tier(100, 0) == (100, 100) and split_tier(100, 40) == (60, 60)
+    with pytest.raises(ValueError, match="kvloop_host_tier_blocks"):
+        split_tier(100, 100)
+    assert demotion_copies([3, 7], [60, 61], 60, 40) == [(3, 60), (7, 61)]
+    assert demotion_copies([3, 7], [60], 60, 40) is None  # one slot per block
+    assert demotion_copies([3, 7], [60, 60], 60, 40) is None  # none twice
+    assert demotion_copies([3, 7], [59, 60], 60, 40) is None  # a pool block is not a slot
+    assert demotion_copies([3, 7], [99, 100], 60, 40) is None  # past the tier
 
 
 def test_a_retained_request_sent_twice_is_published_once() -> None:

@@ -162,7 +162,8 @@ class FakeEngine:
             for slot in held:
                 assert self.slots.pop(slot) == cmd.lease_id, "a slot freed twice or not this lease's"
         if cmd.demote_to:
-            assert len(cmd.demote_to) == len(held) and TIER_FIRST <= min(cmd.demote_to) <= max(cmd.demote_to) < TIER_FIRST + self.capacity
+            assert len(cmd.demote_to) == len(held)
+            assert TIER_FIRST <= min(cmd.demote_to) <= max(cmd.demote_to) < TIER_FIRST + self.capacity
             for slot in cmd.demote_to:
                 assert slot not in self.slots, "a copy over another lease's slot"
                 self.slots[slot] = cmd.lease_id
