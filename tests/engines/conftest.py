@@ -33,6 +33,9 @@ EXTRA_CONFIG = '{"kv_lease_duration": 180}'
 # every second (a killed engine's sidecar deregisters it at once; a silent one goes after 10 s); matches
 # under 300 tokens (two blocks) are recomputed, so the threshold test can make one; a pull's fixed cost is
 # taken as 1 ms, so the cost model's choice does not hinge on this loaded machine's step latency.
+HOST_TIER_BLOCKS = 64
+"""The shared decode engine's host tier (64 of its KV blocks): only evictions that make room demote into it, and the
+tests' leases end by TTL or release, so only the tier's own test fills it."""
 BROKER_FLAGS = ("--keepalive-interval-s", "1", "--engine-ttl-s", "10", "--default-ttl-s", "600",
                 "--threshold-tokens", "300", "--transfer-overhead-s", "0.001")
 
@@ -148,7 +151,8 @@ def pd_engines(tiny_model: Path, engines_broker: str, tmp_path_factory: pytest.T
     started = start_engines([EngineConfig(role=role, model=tiny_model, dtype="float32", max_model_len=4096,
                                           work_dir=work_dir, kv_connector_extra_config=EXTRA_CONFIG,
                                           omp_threads_bind=role_cores(role), connector="kvloop",
-                                          broker=engines_broker, engine_id=f"{role}-test")
+                                          broker=engines_broker, engine_id=f"{role}-test",
+                                          host_tier_blocks=HOST_TIER_BLOCKS if role == "decode" else 0)
                              for role in ("prefill", "decode")], timeout_s=ENGINE_START_TIMEOUT_S)
     try:
         start_seconds = time.monotonic() - t0

@@ -226,6 +226,47 @@ def test_evicted_lease_recomputes_and_frees_its_blocks(pd_engines: PDEngines, dr
     assert t2.reason in ("no_match", "decode_local_vetoed"), t2
 
 
+def test_a_lease_demoted_under_memory_pressure_is_pulled_from_the_host_tier(
+        pd_engines: PDEngines, driver: PDDriver, broker_stub: broker_pb2_grpc.KVBrokerStub) -> None:
+    """Memory pressure makes the broker demote the lease: the decode engine copies its blocks (prompt and generated)
+    into its host tier and frees them; the next turn pulls from the tier's slots, and its answer equals a
+    recompute's. The tier's slots start zeroed, so a copy that did not happen would change the answer."""
+    decode = pd_engines.decode
+    usage = lambda: metric(scrape(decode.url), "vllm:kv_cache_usage_perc")  # noqa: E731
+    for lease in leases_of(broker_stub, decode.engine_id):  # one lease, so pressure picks it
+        broker_stub.RenewLease(pb.RenewLeaseRequest(lease_id=lease.lease_id, ttl_s=1.0), timeout=5)
+    wait_for(lambda: leases_of(broker_stub, decode.engine_id), lambda ls: not ls, timeout_s=30, what="no leases")
+    baseline = wait_for(usage, lambda u: u == 0.0, timeout_s=30, what="decode KV usage back to zero")
+    t1 = first_turn(driver, broker_stub, pd_engines, "s-tier", seed=31, prefill_salt="tier-1")
+    (lease,) = leases_of(broker_stub, decode.engine_id)
+    status = next(e for e in broker_stub.Inspect(pb.InspectRequest(), timeout=5).engines
+                  if e.engine.engine_id == decode.engine_id)
+    first = status.engine.host_tier_first_id
+    assert status.engine.host_tier_blocks == 64 and first > max(lease.block_ids), status.engine
+    # Memory pressure as the decode engine's sidecar reports it (KV usage past its threshold, requests waiting).
+    broker_stub.KeepAlive(pb.KeepAliveRequest(engine_id=decode.engine_id, load=pb.EngineLoad(
+        memory_pressure=True, pressure_free_blocks=len(lease.block_ids))), timeout=5)
+    demoted = wait_for(lambda: leases_of(broker_stub, decode.engine_id),
+                       lambda ls: len(ls) == 1 and ls[0].tier == pb.TIER_HOST and not ls[0].demoting,
+                       timeout_s=30, what="the lease copied to the host tier")[0]
+    assert demoted.lease_id == lease.lease_id and list(demoted.block_keys) == list(lease.block_keys)
+    assert all(first <= b < first + 64 for b in demoted.block_ids), demoted.block_ids
+    wait_for(usage, lambda u: u == baseline, timeout_s=30, what="the demoted blocks freed from vLLM's pool")
+    prompt2 = t1.all_ids + tokens(random.Random(32), 150)
+    t2 = driver.turn(prompt2, max_tokens=8, session="s-tier", prefill_salt="tier-2", logprobs=5)
+    assert t2.decision == "TRANSFER" and t2.matched_tokens == len(lease.block_keys) * BS, t2
+    report = t2.report
+    assert report["pull_failed"] is False and report["pulled_blocks"] == len(lease.block_keys), report
+    # Against a recompute, to float32's rounding: the tiny model's greedy tokens hardly depend on a far context
+    # (they came out equal with the tier's slots left zeroed), its logprobs do.
+    reference = aggregated(pd_engines, prompt2, max_tokens=8, salt="tier-reference")
+    assert set(t2.first_logprobs) == set(reference["top"][0]), (t2.first_logprobs, reference["top"][0])
+    for token, logprob in t2.first_logprobs.items():
+        assert math.isclose(logprob, reference["top"][0][token], abs_tol=LOGPROB_TOLERANCE), (token, logprob)
+    assert_same_greedy(t2.output_ids, reference["ids"], reference["top"])
+    assert lease.lease_id not in {x.lease_id for x in leases_of(broker_stub, decode.engine_id)}  # superseded by t2's
+
+
 def test_a_decode_local_turn_is_retained_and_its_blocks_freed_with_its_lease(
         pd_engines: PDEngines, broker_stub: broker_pb2_grpc.KVBrokerStub) -> None:
     """A request the decode engine serves whole (DECODE_LOCAL) is retained like one from a prefill engine, and when
