@@ -64,10 +64,14 @@ from kvloop.engine_set import EngineSet, start_engines
 from kvloop.engines.config import EngineConfig, default_work_dir, role_cores
 from kvloop.engines.model import ensure_tiny_model
 from kvloop.shared.http import engine_client_connector, metric_by_label, metric_total, read_metrics
+from kvloop.shared.vocabulary import Path as TurnPath
 
 BLOCK = 128
 CONFIGS = ("one_way", "upstream", "kvloop", "kvloop_pd", "ideal", "ideal_same_cores")
-PRESSURE = ("upstream_pressure", "kvloop_pressure")
+PRESSURE = ("upstream_pressure", "kvloop_pressure", "kvloop_pressure_tier")
+"""``--pressure``: the decode engine retains about half the working set; ``kvloop_pressure_tier`` is
+``kvloop_pressure`` with a host tier as large as the decode engine's pool (its KV allocation doubled, vLLM's pool
+the same), so evictions for room demote instead of dropping."""
 LATE_TOKENS = 8000
 BREAKDOWN_STEPS = ("tokenize", "place", "publication_wait", "pin", "prefill_queue", "pull", "prefill_compute",
                    "prefill_http", "decode_first", "router_other")
@@ -152,7 +156,8 @@ def sizing(conversations: list[Conversation], answer: int, concurrency: int, pre
     return Sizing(max_len, prefill, decode, fraction, {
         "history_blocks_total": total, "prefill_blocks_each": prefill, "longest_prompt_blocks": one,
         "prefill_room_for_longest_prompts": prefill // one, "decode_blocks": decode,
-        "decode_retention_budget_blocks": int(decode * fraction) if decode else None})
+        "decode_retention_budget_blocks": int(decode * fraction) if decode else None,
+        "decode_host_tier_blocks_kvloop_pressure_tier": decode})
 
 
 class Progress:
@@ -173,10 +178,14 @@ class Progress:
 # Engines ---------------------------------------------------------------------------------------------------
 
 def engine_config(model: Path, work: Path, role: str, index: int, *, connector: str, broker: str, size: Sizing,
-                  blocks: int | None, extra: dict[str, Any], cores: str | None = None) -> EngineConfig:
+                  blocks: int | None, extra: dict[str, Any], cores: str | None = None,
+                  host_tier: int = 0) -> EngineConfig:
+    """``blocks``: vLLM's pool (None: as the KV cache size gives); ``host_tier``: blocks added to the allocation
+    as the engine's host tier (the pool stays ``blocks``)."""
+    allocation = blocks + host_tier if blocks else None
     return EngineConfig(role=role, model=model, engine_id=f"{role}-{index}", work_dir=work, connector=connector,
-                        broker=broker, max_model_len=size.max_model_len,
-                        extra_vllm_args=f"--num-gpu-blocks-override {blocks}" if blocks else "",
+                        broker=broker, max_model_len=size.max_model_len, host_tier_blocks=host_tier,
+                        extra_vllm_args=f"--num-gpu-blocks-override {allocation}" if allocation else "",
                         retention_fraction=size.retention_fraction,
                         omp_threads_bind=cores or role_binding(size.cores, role),
                         kv_connector_extra_config=json.dumps(extra), log_level="warning")
@@ -191,11 +200,13 @@ UPSTREAM_EXTRA = {"kvloop_retain": False, "bidirectional_kv_xfer": True, "kv_lea
 async def start_config(name: str, model: Path, work: Path, size: Sizing, timeout_s: float,
                        records: Path | None = None) -> tuple[EngineSet, LocalCluster | None]:
     """``records``: the kvloop router's per-turn records file (``kvloop analyze``)."""
+    tier = (size.decode_blocks or 0) if name == "kvloop_pressure_tier" else 0
+
     def pd(connector: str, broker: str, extra: dict[str, Any]) -> list[EngineConfig]:
         prefills = [engine_config(model, work, "prefill", i, connector=connector, broker=broker, size=size,
                                   blocks=size.prefill_blocks, extra=extra) for i in range(size.prefill_engines)]
         return [*prefills, engine_config(model, work, "decode", 2, connector=connector, broker=broker, size=size,
-                                         blocks=size.decode_blocks, extra=extra)]
+                                         blocks=size.decode_blocks, extra=extra, host_tier=tier)]
 
     if name in ("ideal", "ideal_same_cores"):
         # No KV connector: nothing is transferred, and the engine pays for no NIXL agent.
@@ -403,7 +414,30 @@ RATIOS = {  # name: (numerator config, denominator config, metric, quantile)
     "kvloop_over_kvloop_pd_late_p50": ("kvloop", "kvloop_pd", "late_ttft_ms", "p50"),
     "pressure_upstream_over_kvloop_late_p50": ("upstream_pressure", "kvloop_pressure", "late_ttft_ms", "p50"),
     "pressure_upstream_over_kvloop_late_p99": ("upstream_pressure", "kvloop_pressure", "late_ttft_ms", "p99"),
+    "pressure_over_no_pressure_late_p50": ("kvloop_pressure", "kvloop", "late_ttft_ms", "p50"),
+    "pressure_tier_over_no_pressure_late_p50": ("kvloop_pressure_tier", "kvloop", "late_ttft_ms", "p50"),
+    "pressure_tier_over_no_pressure_late_p99": ("kvloop_pressure_tier", "kvloop", "late_ttft_ms", "p99"),
 }
+
+
+def tier_recovery(records: list[TurnRecord]) -> dict[str, Any] | None:
+    """The turns ``kvloop_pressure`` recomputed (past the first, which has no history) and what the same turn, in
+    the same repeat, was under ``kvloop_pressure_tier``: the share served by reuse instead (any path but
+    RECOMPUTE). Turns ``kvloop`` also recomputed without pressure are counted apart: the tier cannot help them.
+    None when the run lacks either pressure configuration."""
+    by = {(r.config, r.repeat, r.conversation, r.turn): r for r in records if not r.error}
+    recomputed = [k for k in by if k[0] == "kvloop_pressure" and k[3] > 1 and by[k].decision == TurnPath.RECOMPUTE]
+    if not recomputed or not any(k[0] == "kvloop_pressure_tier" for k in by):
+        return None
+    pairs = [(k, by.get(("kvloop_pressure_tier", *k[1:]))) for k in recomputed]
+    unpressed = {k for k, _ in pairs if (plain := by.get(("kvloop", *k[1:]))) is not None
+                 and plain.decision == TurnPath.RECOMPUTE}
+    by_pressure = [(k, t) for k, t in pairs if k not in unpressed and t is not None]
+    reused = sum(1 for _, t in by_pressure if t is not None and t.decision != TurnPath.RECOMPUTE)
+    return {"recomputed_under_pressure": len(recomputed), "recomputed_without_pressure_too": len(unpressed),
+            "compared": len(by_pressure), "served_by_reuse_with_tier": reused,
+            "share_served_by_reuse": round(reused / len(by_pressure), 3) if by_pressure else None,
+            "tier_decisions": dict(Counter(str(t.decision) for _, t in by_pressure if t is not None))}
 
 
 def ratios(per_repeat: list[dict[str, dict[str, Any]]]) -> tuple[dict[str, Any], dict[str, str]]:
@@ -531,7 +565,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         gaps = {n: [g for run in runs[n] for g in run["gaps"]] for n in done}
         return {"partial": partial, "repeats_done": len(per_repeat), "configs": summary,
                 "ratios": {k: v["median"] for k, v in ratio_spreads.items()}, "ratio_spreads": ratio_spreads,
-                "withheld_ratios": withheld, "markdown": table(summary),
+                "withheld_ratios": withheld, "markdown": table(summary), "tier_recovery": tier_recovery(records),
                 "workload": {**shape, "sizing": sizes, "late_turn_tokens": args.late_tokens, "repeats": args.repeat,
                              "replay": str(args.replay) if args.replay else None,
                              "ttft": "client-side, to the first streamed token; upstream cannot stream (whole "

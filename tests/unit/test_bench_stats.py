@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from kvloop.benchmarks.multiturn import TurnRecord, breakdown, ratios, sizing, timing
+from kvloop.benchmarks.multiturn import TurnRecord, breakdown, ratios, sizing, tier_recovery, timing
 from kvloop.benchmarks.stats import (
     HEALTH_FACTOR,
     health,
@@ -112,3 +112,23 @@ def test_the_breakdown_reads_the_routers_timing_and_keeps_what_is_left() -> None
     assert steps["router_other"] == pytest.approx(200.0 - (3 + 1 + 50 + 5 + 10 + 80 + 25))
     table = breakdown([record, record])
     assert table["pull"] == {"p50": 10.0, "p90": 10.0, "n": 2} and "publication_wait" not in table
+
+
+def test_tier_recovery_pairs_each_turn_recomputed_under_pressure_with_the_same_turn_on_the_tier() -> None:
+    def rec(config: str, conv: str, turn: int, decision: str, error: str = "") -> TurnRecord:
+        return TurnRecord(config, 0, conv, turn, 100, 0.1, decision, error=error)
+
+    records = [
+        rec("kvloop_pressure", "a", 1, "RECOMPUTE"),  # a first turn: no history to lose
+        rec("kvloop_pressure", "a", 2, "RECOMPUTE"), rec("kvloop_pressure_tier", "a", 2, "TRANSFER"),
+        rec("kvloop", "a", 2, "DECODE_LOCAL"),
+        rec("kvloop_pressure", "b", 2, "RECOMPUTE"), rec("kvloop_pressure_tier", "b", 2, "RECOMPUTE"),
+        rec("kvloop_pressure", "c", 3, "RECOMPUTE"), rec("kvloop_pressure_tier", "c", 3, "TRANSFER"),
+        rec("kvloop", "c", 3, "RECOMPUTE"),  # recomputed without pressure too: not the tier's to win
+        rec("kvloop_pressure", "d", 2, "TRANSFER"), rec("kvloop_pressure_tier", "d", 2, "RECOMPUTE"),
+    ]
+    out = tier_recovery(records)
+    assert out is not None
+    assert (out["recomputed_under_pressure"], out["recomputed_without_pressure_too"], out["compared"]) == (3, 1, 2)
+    assert out["served_by_reuse_with_tier"] == 1 and out["share_served_by_reuse"] == 0.5
+    assert tier_recovery([r for r in records if r.config != "kvloop_pressure_tier"]) is None
