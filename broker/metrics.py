@@ -62,6 +62,8 @@ class BrokerMetrics:
                                  ["outcome"], registry=self.registry)
         self.placements = Counter("kvloop_broker_placements", "placements, by decision and reason",
                                   ["decision", "reason"], registry=self.registry)
+        self.source_tiers = Counter("kvloop_broker_placement_source_tier", "placements that reuse a lease, by the "
+                                    "tier the lease is on (pool, host: a tier hit)", ["tier"], registry=self.registry)
         self.placement_latency = Histogram("kvloop_broker_placement_seconds", "placement latency inside the broker",
                                            buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.rpc_latency = Histogram("kvloop_broker_rpc_seconds", "RPC handling latency", ["method"],

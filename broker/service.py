@@ -208,6 +208,8 @@ class BrokerService(broker_pb2_grpc.KVBrokerServicer):
         metrics = self.runtime.metrics
         metrics.placement_latency.observe(time.perf_counter() - start)
         metrics.placements.labels(decision=plan.decision.value, reason=plan.reason).inc()
+        if plan.source_lease_id:
+            metrics.source_tiers.labels(tier=plan.source_tier.value).inc()
         reply = convert.plan_to_pb(plan)
         # The router's turn span carries the same attributes (one builder); kvloop.decision names the plan here.
         trace.get_current_span().set_attributes({**plan_attributes(reply), "kvloop.decision": plan.decision.value})

@@ -113,6 +113,7 @@ class Sidecar(engine_link_pb2_grpc.EngineLinkServicer):
         for _ in request_ids:
             self.metrics.released.labels(reason).inc()
         self.metrics.leases.set(len(self.books.held))
+        self.metrics.host_tier_leases.set(len(self.books.hosted))
         if request_ids:
             self._command(lpb.ConnectorCommand(release_request_ids=request_ids))
 
@@ -126,6 +127,7 @@ class Sidecar(engine_link_pb2_grpc.EngineLinkServicer):
         self._follow_cache_events(hello)
         if restarted or not self.registered.is_set():
             self.books.clear()
+            self.metrics.host_tier_leases.set(0)
             self._set_registered(False)
             for task in self._engine_tasks:
                 task.cancel()
@@ -315,6 +317,7 @@ class Sidecar(engine_link_pb2_grpc.EngineLinkServicer):
             # The tier's slots hold nothing the engine frees: the broker reuses them for a later demotion.
             if self.books.drop_hosted(command.lease_id):
                 self.metrics.released.labels(reason).inc()
+                self.metrics.host_tier_leases.set(len(self.books.hosted))
                 log.info("lease.dropped_from_host_tier", lease=command.lease_id, reason=reason,
                          slots=len(command.block_ids))
             return
@@ -357,6 +360,7 @@ class Sidecar(engine_link_pb2_grpc.EngineLinkServicer):
             # but the lease.
             self.metrics.broker_errors.labels("CompleteDemotion").inc()
             self.books.drop_hosted(lease_id)
+            self.metrics.host_tier_leases.set(len(self.books.hosted))
             log.info("lease.demotion_report_failed", lease=lease_id, code=exc.code().name, details=exc.details())
 
     async def _publish(self, retained: lpb.Retained) -> None:

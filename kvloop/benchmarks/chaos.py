@@ -50,6 +50,7 @@ from kvloop.engine_set import EngineSet, start_engines
 from kvloop.engines.config import EngineConfig, default_work_dir
 from kvloop.engines.model import ensure_tiny_model
 from kvloop.shared.http import sse_data, sse_measured
+from kvloop.v1 import broker_pb2 as pb
 
 REFERENCE_CONCURRENCY = 16
 SPARE_AGENTS = 4
@@ -327,14 +328,24 @@ async def check_books(cluster: ChaosCluster, lease_ttl_s: float) -> dict[str, An
         per: dict[str, Any] = {}
         for eid in decodes:
             leases = [lease for lease in reply.leases if lease.engine_id == eid]
+            pool = [lease for lease in leases if lease.tier != pb.TIER_HOST]
+            host = [lease for lease in leases if lease.tier == pb.TIER_HOST]
             held, total = await asyncio.to_thread(cluster.engine_blocks, eid)
             sidecar = await asyncio.to_thread(cluster.sidecar_metrics, eid)
-            per[eid] = {"broker_leases": len(leases), "broker_blocks": len({b for le in leases for b in le.block_ids}),
+            # Per tier: vLLM's pool holds exactly the pool leases' blocks; the sidecar books as many pool leases,
+            # and as many tier leases, as the broker lists; no two tier leases share a slot; none mid-copy.
+            slots = [b for le in host for b in le.block_ids]
+            per[eid] = {"broker_leases": len(pool), "broker_blocks": len({b for le in pool for b in le.block_ids}),
                         "engine_blocks": held, "engine_total_blocks": total,
                         "sidecar_leases": int(sidecar.get("kvloop_sidecar_leases", -1)),
+                        "broker_host_leases": len(host), "broker_host_slots": len(slots),
+                        "host_slots_shared": len(slots) - len(set(slots)),
+                        "demoting": sum(1 for le in host if le.demoting),
+                        "sidecar_host_leases": int(sidecar.get("kvloop_sidecar_host_tier_leases", 0)),
                         "engine_requests": await asyncio.to_thread(cluster.engine_requests, eid)}
         agree = all(v["broker_blocks"] == v["engine_blocks"] and v["broker_leases"] == v["sidecar_leases"]
-                    for v in per.values())
+                    and v["broker_host_leases"] == v["sidecar_host_leases"] and not v["host_slots_shared"]
+                    and not v["demoting"] for v in per.values())
         return {"agree": agree, "engines": per, "leases": len(reply.leases)}
 
     settled = await compare()
@@ -468,6 +479,10 @@ async def run_phase(name: str, model: Path, work: Path, args: argparse.Namespace
         out["books"] = await check_books(cluster, settings.lease_ttl_s)
         out["freed_while_pinned"] = cluster.log_lines("lease.freed_while_pinned")
         out["hold_lapses"] = len(cluster.log_lines("safety hold ran out"))
+        out["demotions"] = {"started": len(cluster.log_lines("lease.demoting")),
+                            "refused": len(cluster.log_lines("lease.demotion_refused")),
+                            "report_failed": len(cluster.log_lines("lease.demotion_report_failed")),
+                            "host_tier_drops": len(cluster.log_lines("lease.dropped_from_host_tier"))}
         out["broker_rss_bytes"] = {"before": rss_before, "after": cluster.rss_bytes()}
         out["cluster"] = cluster.describe()
         return out, run.requests
@@ -542,7 +557,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     model = await asyncio.to_thread(ensure_tiny_model, args.model)
     args.model_name = model.name
     work = (args.work_dir or default_work_dir() / "bench-chaos").absolute()
-    settings = ChaosSettings(prefill=args.prefill, decode=args.decode)
+    settings = ChaosSettings(prefill=args.prefill, decode=args.decode, host_tier_blocks=args.host_tier_blocks,
+                             retention_fraction=args.retention_fraction)
     # Tool outputs of a median 300 tokens: about a third exceed decode_local_max_tokens (512), so TRANSFER turns
     # (and the faults that wait for one) come often among the DECODE_LOCAL ones.
     spec = AgentSpec(sessions=args.sessions, turns_min=args.turns, turns_max=args.turns, system_tokens=500,
@@ -602,6 +618,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--soak-s", type=float, default=0.0,
                         help="the chaos phase's traffic lasts at least this long (a soak: broker memory and held "
                              "blocks sampled every 10 s, growth checked); 600 for the 10-minute soak")
+    parser.add_argument("--host-tier-blocks", type=int, default=0,
+                        help="each decode engine's host tier in KV blocks (0: none); evictions for room demote into "
+                             "it, so kills and freezes interrupt demotions too")
+    parser.add_argument("--retention-fraction", type=float, default=0.5,
+                        help="each decode engine's retention budget as a share of its KV pool; small values make "
+                             "evictions for room (and with a tier, demotions) frequent")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work-dir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=None, help="write the figures here (JSON)")
@@ -628,6 +650,10 @@ def validate(args: argparse.Namespace) -> str:
         return "--outage-turns: must be at least 0"
     if args.recovery_wait_s < 0:
         return "--recovery-wait-s: must be at least 0"
+    if not 0 <= args.host_tier_blocks <= 1 << 20:
+        return "--host-tier-blocks: must be within 0..1048576"
+    if not 0 < args.retention_fraction <= 1:
+        return "--retention-fraction: must be in (0, 1]"
     if args.attempts < 1 or args.client_timeout_s <= 0 or args.deadline_s <= 0:
         return "--attempts, --client-timeout-s, --deadline-s: must be positive"
     return ""

@@ -41,6 +41,10 @@ class ChaosSettings:
     engine_unresponsive_s: float = 5.0
     engine_stall_s: float = 15.0
     max_model_len: int = 16384
+    host_tier_blocks: int = 0
+    """Each decode engine's host tier (0: none): evictions for room demote into it."""
+    retention_fraction: float = 0.5
+    """Each decode engine's retention budget as a share of its pool: small, evictions for room come often."""
 
 
 @dataclass
@@ -98,7 +102,9 @@ class ChaosCluster:
         return EngineConfig(role=role, model=model, engine_id=f"{role}-{index}", work_dir=self.work, dtype="float32",
                             broker=self.broker_addresses, connector="kvloop", max_model_len=s.max_model_len,
                             omp_threads_bind=role_cores(role), hold_s=s.hold_s, lease_ttl_s=s.lease_ttl_s,
-                            log_level="warning", port=pick_port(), nixl_port=pick_port())
+                            log_level="warning", port=pick_port(), nixl_port=pick_port(),
+                            host_tier_blocks=s.host_tier_blocks if role == "decode" else 0,
+                            retention_fraction=s.retention_fraction)
 
     async def start_broker(self, replica: str) -> None:
         s = self.settings

@@ -234,6 +234,7 @@ def plan_attributes(plan: Any) -> dict[str, Any]:
             "kvloop.plan.cached_tokens_seen": plan.cached_tokens_seen,
             "kvloop.plan.decode_local_veto": plan.decode_local_veto,
             "kvloop.plan.source_engine": plan.source_engine_id, "kvloop.plan.source_lease": plan.source_lease_id,
+            "kvloop.plan.source_tier": broker_pb2.Tier.Name(plan.source_tier).removeprefix("TIER_").lower(),
             "kvloop.plan.prefill_engine": plan.prefill_engine_id, "kvloop.plan.decode_engine": plan.decode_engine_id,
             "kvloop.plan.decode_sticky": plan.decode_sticky, "kvloop.plan.candidates": plan.candidates,
             "kvloop.cost.transfer_s": cost.transfer_s, "kvloop.cost.recompute_s": cost.recompute_s,

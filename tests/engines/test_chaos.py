@@ -3,7 +3,8 @@
 ``kvloop bench chaos`` itself checks what must hold (no hang, no error with an engine of each role alive, answers
 equal to a reference engine's up to near-ties, books in agreement, back to baseline after the leases' TTL, no
 block freed while pinned) and exits 1 when anything failed; this test runs it small, on the engine tests' model
-(the reference engine starts while the run waits out the leases' TTL), and reads its figures."""
+(the reference engine starts while the run waits out the leases' TTL), with a host tier on every decode engine,
+and reads its figures."""
 
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ def test_every_fault_kind_once_loses_nothing(tiny_model: Path, tmp_path: Path) -
             # While an engine restarts, 3 turns show serving goes on; more would only slow the restart (which must
             # import vLLM in three processes one after another) and add answers to check.
             "--outage-turns", "3",
+            # A host tier on each decode engine and a budget of 2% of its pool (about 40 blocks: two or three
+            # sessions' histories), so evictions for room demote all through the run and the faults interrupt some.
+            "--host-tier-blocks", "128", "--retention-fraction", "0.02",
             "--deadline-s", "900", "--work-dir", str(tmp_path / "work"), "--out", str(out)]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=1500, stdin=subprocess.DEVNULL)
     print(done.stdout[-6000:])
@@ -43,4 +47,5 @@ def test_every_fault_kind_once_loses_nothing(tiny_model: Path, tmp_path: Path) -
     assert not result["answers"]["wrong"] and result["answers"]["checked"] == chaos["ok"] > 0
     assert chaos["books"]["settled"]["agree"] and chaos["books"]["after_ttl"]["baseline"], chaos["books"]
     assert chaos["freed_while_pinned"] == []
+    assert chaos["demotions"]["started"] > 0, chaos["demotions"]
     assert result["problems"] == {"chaos": []} and done.returncode == 0, done.stderr[-4000:]

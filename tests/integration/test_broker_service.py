@@ -500,6 +500,7 @@ async def test_metrics_endpoint(broker: Broker) -> None:
     assert any(line.startswith("kvloop_broker_placements_total{") and 'decision="TRANSFER"' in line
                for line in lines), text
     assert "kvloop_broker_leader 1.0" in lines
+    assert any(line.startswith('kvloop_broker_placement_source_tier_total{tier="pool"}') for line in lines), text
 
 
 async def test_engine_expires_when_keepalives_stop(start_broker: ModuleBrokerFactory) -> None:
