@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from kvloop.benchmarks.chaos import Run, soak_figures, verdict
+from kvloop.benchmarks.chaos import Run, add_arguments, soak_figures, validate, verdict
 from kvloop.benchmarks.chaos_faults import (
     KINDS,
     FaultRecord,
@@ -92,3 +92,11 @@ def test_outage_turns_caps_the_turns_that_start_while_an_engine_restarts() -> No
 
     started = asyncio.run(scenario())
     assert started[:4] == ["before", "t0", "t1", "|restart done|"] and sorted(started[4:]) == ["t2", "t3"]
+
+
+def test_the_tier_flags_are_checked_and_name_themselves() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert validate(parser.parse_args(["--host-tier-blocks", "128", "--retention-fraction", "0.02"])) == ""
+    assert validate(parser.parse_args(["--host-tier-blocks", "-1"])).startswith("--host-tier-blocks")
+    assert validate(parser.parse_args(["--retention-fraction", "0"])).startswith("--retention-fraction")
