@@ -64,7 +64,6 @@ from kvloop.engine_set import EngineSet, start_engines
 from kvloop.engines.config import EngineConfig, default_work_dir, role_cores
 from kvloop.engines.model import ensure_tiny_model
 from kvloop.shared.http import engine_client_connector, metric_by_label, metric_total, read_metrics
-from kvloop.shared.vocabulary import Path as TurnPath
 
 BLOCK = 128
 CONFIGS = ("one_way", "upstream", "kvloop", "kvloop_pd", "ideal", "ideal_same_cores")
@@ -420,24 +419,31 @@ RATIOS = {  # name: (numerator config, denominator config, metric, quantile)
 }
 
 
-def tier_recovery(records: list[TurnRecord]) -> dict[str, Any] | None:
-    """The turns ``kvloop_pressure`` recomputed (past the first, which has no history) and what the same turn, in
-    the same repeat, was under ``kvloop_pressure_tier``: the share served by reuse instead (any path but
-    RECOMPUTE). Turns ``kvloop`` also recomputed without pressure are counted apart: the tier cannot help them.
-    None when the run lacks either pressure configuration."""
-    by = {(r.config, r.repeat, r.conversation, r.turn): r for r in records if not r.error}
-    recomputed = [k for k in by if k[0] == "kvloop_pressure" and k[3] > 1 and by[k].decision == TurnPath.RECOMPUTE]
-    if not recomputed or not any(k[0] == "kvloop_pressure_tier" for k in by):
+def tier_recovery(records: list[TurnRecord], block: int = BLOCK) -> dict[str, Any] | None:
+    """What retention pressure cost and what the host tier won back, turn by turn: each turn measured in ``kvloop``
+    (no pressure), ``kvloop_pressure`` and ``kvloop_pressure_tier`` in the same repeat is *recomputed under
+    pressure* when pressure made it compute at least one block more than without it (its history's lease was
+    evicted), and *served by reuse* with the tier when the tier's run computed less than a block more than without
+    pressure. Counts come from the router's ``computed-tokens`` header. None when the run lacks a configuration."""
+    runs = ("kvloop", "kvloop_pressure", "kvloop_pressure_tier")
+    by = {(r.config, r.repeat, r.conversation, r.turn): r for r in records if not r.error and r.config in runs}
+    keys = {k[1:] for k in by}
+    complete = sorted(k for k in keys if all((c, *k) in by for c in runs))
+    if not complete:
         return None
-    pairs = [(k, by.get(("kvloop_pressure_tier", *k[1:]))) for k in recomputed]
-    unpressed = {k for k, _ in pairs if (plain := by.get(("kvloop", *k[1:]))) is not None
-                 and plain.decision == TurnPath.RECOMPUTE}
-    by_pressure = [(k, t) for k, t in pairs if k not in unpressed and t is not None]
-    reused = sum(1 for _, t in by_pressure if t is not None and t.decision != TurnPath.RECOMPUTE)
-    return {"recomputed_under_pressure": len(recomputed), "recomputed_without_pressure_too": len(unpressed),
-            "compared": len(by_pressure), "served_by_reuse_with_tier": reused,
-            "share_served_by_reuse": round(reused / len(by_pressure), 3) if by_pressure else None,
-            "tier_decisions": dict(Counter(str(t.decision) for _, t in by_pressure if t is not None))}
+
+    def computed(config: str, key: tuple[Any, ...]) -> int:
+        return int(by[(config, *key)].detail.get("computed-tokens", 0))
+
+    lost = [k for k in complete if computed("kvloop_pressure", k) - computed("kvloop", k) >= block]
+    won = [k for k in lost if computed("kvloop_pressure_tier", k) - computed("kvloop", k) < block]
+    tier_lost = [k for k in complete if computed("kvloop_pressure_tier", k) - computed("kvloop", k) >= block]
+    return {"turns_compared": len(complete), "recomputed_under_pressure": len(lost),
+            "served_by_reuse_with_tier": len(won),
+            "share_served_by_reuse": round(len(won) / len(lost), 3) if lost else None,
+            "recomputed_with_tier": len(tier_lost),
+            "extra_tokens_computed": {c: sum(computed(c, k) - computed("kvloop", k) for k in complete)
+                                      for c in runs[1:]}}
 
 
 def ratios(per_repeat: list[dict[str, dict[str, Any]]]) -> tuple[dict[str, Any], dict[str, str]]:
@@ -550,7 +556,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     started = time.monotonic()
     model = await asyncio.to_thread(ensure_tiny_model, args.model)
     work = (args.work_dir or default_work_dir() / "bench-multiturn").absolute()
-    names = [n for n in args.configs.split(",") if n] + (list(PRESSURE) if args.pressure else [])
+    names = [n for n in args.configs.split(",") if n]
+    names += [n for n in PRESSURE if args.pressure and n not in names]
     per_repeat: list[dict[str, dict[str, Any]]] = []
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     shape: dict[str, Any] = {}
@@ -672,7 +679,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    unknown = [c for c in args.configs.split(",") if c and c not in CONFIGS]
+    unknown = [c for c in args.configs.split(",") if c and c not in CONFIGS + PRESSURE]
     if unknown or args.repeat < 1:
         print(f"kvloop bench multiturn: --configs: unknown {unknown}; choose from {list(CONFIGS)}" if unknown else
               "kvloop bench multiturn: --repeat must be at least 1", file=sys.stderr)

@@ -114,21 +114,22 @@ def test_the_breakdown_reads_the_routers_timing_and_keeps_what_is_left() -> None
     assert table["pull"] == {"p50": 10.0, "p90": 10.0, "n": 2} and "publication_wait" not in table
 
 
-def test_tier_recovery_pairs_each_turn_recomputed_under_pressure_with_the_same_turn_on_the_tier() -> None:
-    def rec(config: str, conv: str, turn: int, decision: str, error: str = "") -> TurnRecord:
-        return TurnRecord(config, 0, conv, turn, 100, 0.1, decision, error=error)
+def test_tier_recovery_counts_the_turns_pressure_made_recompute_and_the_tier_won_back() -> None:
+    def rec(config: str, conv: str, turn: int, computed: int, error: str = "") -> TurnRecord:
+        return TurnRecord(config, 0, conv, turn, 100, 0.1, "TRANSFER", error=error,
+                          detail={"computed-tokens": computed})
 
     records = [
-        rec("kvloop_pressure", "a", 1, "RECOMPUTE"),  # a first turn: no history to lose
-        rec("kvloop_pressure", "a", 2, "RECOMPUTE"), rec("kvloop_pressure_tier", "a", 2, "TRANSFER"),
-        rec("kvloop", "a", 2, "DECODE_LOCAL"),
-        rec("kvloop_pressure", "b", 2, "RECOMPUTE"), rec("kvloop_pressure_tier", "b", 2, "RECOMPUTE"),
-        rec("kvloop_pressure", "c", 3, "RECOMPUTE"), rec("kvloop_pressure_tier", "c", 3, "TRANSFER"),
-        rec("kvloop", "c", 3, "RECOMPUTE"),  # recomputed without pressure too: not the tier's to win
-        rec("kvloop_pressure", "d", 2, "TRANSFER"), rec("kvloop_pressure_tier", "d", 2, "RECOMPUTE"),
+        *(rec(c, "a", 1, 1600) for c in ("kvloop", "kvloop_pressure", "kvloop_pressure_tier")),  # nothing lost
+        rec("kvloop", "a", 2, 100), rec("kvloop_pressure", "a", 2, 3000), rec("kvloop_pressure_tier", "a", 2, 120),
+        rec("kvloop", "b", 2, 100), rec("kvloop_pressure", "b", 2, 3000), rec("kvloop_pressure_tier", "b", 2, 3000),
+        rec("kvloop", "c", 2, 100), rec("kvloop_pressure", "c", 2, 200), rec("kvloop_pressure_tier", "c", 2, 100),
+        rec("kvloop", "d", 2, 100), rec("kvloop_pressure", "d", 2, 3000),  # its tier turn failed: not compared
+        rec("kvloop_pressure_tier", "d", 2, 0, error="timeout"),
     ]
     out = tier_recovery(records)
-    assert out is not None
-    assert (out["recomputed_under_pressure"], out["recomputed_without_pressure_too"], out["compared"]) == (3, 1, 2)
-    assert out["served_by_reuse_with_tier"] == 1 and out["share_served_by_reuse"] == 0.5
-    assert tier_recovery([r for r in records if r.config != "kvloop_pressure_tier"]) is None
+    assert out is not None and out["turns_compared"] == 4
+    assert (out["recomputed_under_pressure"], out["served_by_reuse_with_tier"]) == (2, 1)
+    assert out["share_served_by_reuse"] == 0.5 and out["recomputed_with_tier"] == 1
+    assert out["extra_tokens_computed"] == {"kvloop_pressure": 5900, "kvloop_pressure_tier": 2920}
+    assert tier_recovery([r for r in records if r.config != "kvloop"]) is None
