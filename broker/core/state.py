@@ -10,12 +10,13 @@ import dataclasses
 import heapq
 import re
 import uuid
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvloop.broker.core.eviction import EvictionPolicy, RefView, choose_victims
 from kvloop.broker.core.fleet import Fleet
+from kvloop.broker.core.holders import BlockRefs, SharedIds
 from kvloop.broker.core.in_flight import InFlight
 from kvloop.broker.core.index import BlockIndex, Match
 from kvloop.broker.core.model import (
@@ -140,7 +141,7 @@ class EngineBooks:
     lease ids, and the recent eviction commands (for an engine that reconnects with an older sequence number)."""
 
     log: deque[EvictionCommand]
-    refs: Counter[int] = field(default_factory=Counter)
+    refs: BlockRefs = field(default_factory=BlockRefs)
     """Pool blocks: how many of the engine's pool-tier leases hold each."""
     lease_ids: set[str] = field(default_factory=set)
     host_slots: set[int] = field(default_factory=set)
@@ -184,6 +185,8 @@ class BrokerState:
         """Per registered engine, what the broker derives from its leases (never stored): opened with the engine's
         record (:meth:`_open_engine`), closed with it (:meth:`_drop_engine`)."""
         self._session_leases: dict[str, set[str]] = {}
+        self._block_ids = SharedIds()
+        """One int per block-id value for every lease's ``block_ids`` (engines share the pool's range of ids)."""
         self._demoting: dict[str, float] = {}
         """Lease id -> ``demoting_until`` of each demotion the engine has not reported yet (:meth:`tick` drops those
         past due)."""
@@ -442,6 +445,7 @@ class BrokerState:
         return False
 
     def _add_lease(self, lease: Lease) -> None:
+        lease.block_ids = self._block_ids.share(lease.block_ids)
         self.leases[lease.lease_id] = lease
         heapq.heappush(self._expiry, (lease.expires_at, lease.lease_id))
         self._index.add(lease)
@@ -474,7 +478,7 @@ class BrokerState:
     @staticmethod
     def _hold_blocks(books: EngineBooks, lease: Lease) -> None:
         if lease.tier is Tier.POOL:
-            books.refs.update(set(lease.block_ids))
+            books.refs.hold(set(lease.block_ids))
         else:
             books.host_slots.update(lease.block_ids)
 
@@ -483,10 +487,7 @@ class BrokerState:
         if lease.tier is not Tier.POOL:
             books.host_slots.difference_update(lease.block_ids)
             return
-        books.refs.subtract(set(lease.block_ids))
-        for block in set(lease.block_ids):
-            if books.refs[block] <= 0:
-                del books.refs[block]
+        books.refs.release(set(lease.block_ids))
 
     def _evict(self, lease: Lease, reason: EvictionReason, now: float) -> list[EvictionCommand]:
         """Evict now, or defer while pinned; an eviction that makes room demotes a pool lease to the engine's host
@@ -527,7 +528,7 @@ class BrokerState:
                                         range(need), strict=False))
         pool_ids = lease.block_ids
         self._release_blocks(books, lease)
-        lease.tier, lease.block_ids = Tier.HOST, slots
+        lease.tier, lease.block_ids = Tier.HOST, self._block_ids.share(slots)
         lease.demoting_until = now + self.limits.demotion_timeout_s
         lease.ttl_s = self.limits.host_ttl_s or lease.ttl_s
         lease.expires_at = now + lease.ttl_s

@@ -1,17 +1,21 @@
-"""``kvloop bench broker-scale``: the broker at fleet scale, in this process, through the real core, runtime and
-gRPC service (loopback) on a store that counts its writes.
+"""``kvloop bench broker-scale``: the broker at fleet scale, through the real core, runtime and gRPC service
+(loopback) on a store that counts its writes.
 
-For each size (the largest is ``--engines`` engines and ``--blocks`` retained blocks; each smaller one halves
-both, ``--steps`` sizes in all) it registers the engines (one in eight prefill, the rest decode), fills the decode
-engines with leases of ``--blocks-per-lease`` blocks through the core (the fill is set-up, not measured), then
-plays ``--turns`` turns over gRPC with ``--concurrency`` clients, each turn the router's and a decode engine's
-calls: ``Place`` (strict P/D, pinned, so the plan is a TRANSFER of a session's lease), ``CompleteTransfer``, and
-``PublishLease`` of the session grown by one block (which supersedes the old lease). It reports:
+Each size (the largest is ``--engines`` engines and ``--blocks`` retained blocks; each smaller one halves both,
+``--steps`` sizes in all) runs in a process of its own, the broker's, on one core. It registers the engines (one in
+eight prefill, the rest decode), fills the decode engines with leases of ``--blocks-per-lease`` blocks through the
+core (the fill is set-up, not measured), then serves the turns a client process on the other core plays over gRPC
+(``broker_scale_client``): ``--turns`` turns with unary ``Place``, then ``--turns`` over ``PlaceStream`` (the
+router's path), with ``--concurrency`` clients, each turn the router's and a decode engine's calls: ``Place``
+(strict P/D, pinned, so the plan is a TRANSFER of a session's lease), ``CompleteTransfer``, and ``PublishLease`` of
+the session grown by one block (which supersedes the old lease). It reports:
 
 - a new leader's rebuild time (:func:`rebuild`): the store's records decoded and loaded, and the soft index
   from the engines' re-sent mirrors;
-- placement p50/p99 as a client sees it over gRPC, and of the core's ``place`` alone;
-- broker memory per retained block: the process's RSS growth over the fill, divided by the blocks;
+- placement p50/p99 as the client process sees it over gRPC (unary and over the stream, with n), and of the
+  core's ``place`` alone;
+- broker memory per retained block: the size's process's RSS growth over the fill, divided by the blocks (a fresh
+  process, so no size reuses memory another freed);
 - store writes per turn: the records the runtime hands the store (puts and deletes) and the transactions an etcd
   store would run for them (100 operations each, as ``broker/store/etcd.py`` splits them); and the records one
   keep-alive round of every engine writes (each ``KeepAlive`` rewrites its engine's record);
@@ -38,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from kvloop.analyze.stats import quantile
+from kvloop.benchmarks.broker_scale_client import ClientResult, ClientWork, drive
 from kvloop.broker.core import Changes, Lease, PlaceInput
 from kvloop.broker.store.base import Snapshot
 from kvloop.shared.serving import run_async
@@ -54,9 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "1/8, 1/4, 1/2 and all of --engines and --blocks)")
     parser.add_argument("--blocks-per-lease", type=int, default=128)
     parser.add_argument("--turns", type=int, default=500, help="measured turns per size")
-    parser.add_argument("--concurrency", type=int, default=1, help="concurrent gRPC clients (default 1: the clients "
-                        "share this process's event loop with the server, so more measure queueing behind each "
-                        "other; more also let the runtime's group commit merge writes)")
+    parser.add_argument("--concurrency", type=int, default=1, help="concurrent gRPC clients (default 1: more measure "
+                        "queueing behind each other on the broker's one core; more also let the runtime's group "
+                        "commit merge writes)")
     parser.add_argument("--etcd-load", action=argparse.BooleanOptionalAction, default=False,
                         help="also write the state's records into a real etcd this run starts (loopback, a temporary "
                              "directory) and time a replica's load of them (the new leader's read; ~10 s of writes "
@@ -109,6 +114,11 @@ class SizeResult:
     fill_s: float = 0.0
     bytes_per_block: float = 0.0
     place_ms: dict[str, float] = field(default_factory=dict)
+    """Unary ``Place`` as the client process sees it."""
+    place_stream_ms: dict[str, float] = field(default_factory=dict)
+    """``Place`` over ``PlaceStream``, the router's path, as the client process sees it."""
+    turns: dict[str, int] = field(default_factory=dict)
+    """Measured turns (the n of each placement figure): unary, and over the stream."""
     core_place_ms: dict[str, float] = field(default_factory=dict)
     turn_ms: dict[str, float] = field(default_factory=dict)
     writes_per_turn: dict[str, float] = field(default_factory=dict)
@@ -125,6 +135,64 @@ class SizeResult:
     """The engine and lease records as the etcd store encodes them (``broker/store/codec.py``), in MB."""
     decisions: dict[str, int] = field(default_factory=dict)
     errors: int = 0
+
+
+def _percentiles(samples: list[float]) -> dict[str, float]:
+    return {q: round(quantile(samples, v), 3) for q, v in (("p50", 0.5), ("p99", 0.99))} if samples else {}
+
+
+async def _play_in_a_process(work: ClientWork) -> ClientResult:
+    """``work``'s turns played by a spawned client process; this process's event loop serves them meanwhile."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    mine, theirs = context.Pipe(duplex=False)
+    process = context.Process(target=drive, args=(work, theirs), name="broker-scale-client")
+    process.start()
+    theirs.close()
+    try:
+        reply = await asyncio.to_thread(mine.recv)
+    finally:
+        await asyncio.to_thread(process.join, 60)
+    if isinstance(reply, BaseException):
+        raise RuntimeError(f"broker-scale client failed: {reply!r}") from reply
+    result: ClientResult = reply
+    return result
+
+
+def measure_size(engines: int, blocks: int, args: argparse.Namespace, conn: Any) -> None:
+    """A spawned process's entry: one size, measured in a process of its own (so its memory growth is its own, not
+    memory a previous size freed), on the broker's core; the :class:`SizeResult` (or the error) goes to ``conn``."""
+    if args.broker_cpus:
+        os.sched_setaffinity(0, args.broker_cpus)
+    try:
+        # On the event loop the broker serves on (uvloop where installed), so Place over gRPC costs what it does in
+        # the service.
+        conn.send(run_async(run_size(engines, blocks, args)))
+    except BaseException as exc:
+        conn.send(exc)
+        raise
+    finally:
+        conn.close()
+
+
+def _measure_in_a_process(engines: int, blocks: int, args: argparse.Namespace) -> SizeResult:
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    mine, theirs = context.Pipe(duplex=False)
+    process = context.Process(target=measure_size, args=(engines, blocks, args, theirs), name="broker-scale-size")
+    process.start()
+    theirs.close()
+    try:
+        reply = mine.recv()
+    except EOFError:
+        reply = RuntimeError(f"the size's process died (exit code {process.exitcode})")
+    process.join(60)
+    if isinstance(reply, BaseException):
+        raise RuntimeError(f"broker-scale size {engines} engines, {blocks} blocks failed: {reply!r}") from reply
+    result: SizeResult = reply
+    return result
 
 
 async def run_size(engines: int, blocks: int, args: argparse.Namespace) -> SizeResult:
@@ -178,8 +246,9 @@ async def run_size(engines: int, blocks: int, args: argparse.Namespace) -> SizeR
         state.publish(eid, f"s{n}", keys, ids, per * BLOCK_SIZE, 0, time.time())
         del raw, keys, ids
     state.take_changes()
-    result.fill_s = round(time.perf_counter() - started, 2)
-    result.publish_blocks_per_s = round((blocks // per) * per / max(result.fill_s, 1e-9))
+    fill_s = time.perf_counter() - started
+    result.fill_s = round(fill_s, 2)
+    result.publish_blocks_per_s = round((blocks // per) * per / max(fill_s, 1e-9))
     result.bytes_per_block = round((_rss() - before) / max(1, blocks), 1)
     sessions = [(lease.engine_id, lease.session_id, list(lease.keys), list(lease.block_ids))
                 for lease in state.leases.values()]
@@ -211,51 +280,28 @@ async def run_size(engines: int, blocks: int, args: argparse.Namespace) -> SizeR
     if args.etcd_load:
         result.rebuild_s["etcd_load"] = await etcd_load(state)
 
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    stub = broker_pb2_grpc.KVBrokerStub(channel)
-    place_ms: list[float] = []
-    turn_ms: list[float] = []
-    decisions: dict[str, int] = {}
-    order = rng.sample(range(len(sessions)), min(len(sessions), args.turns))
+    # The measured turns, from a client process of its own (broker_scale_client): unary Place on one half of the
+    # sampled sessions, then PlaceStream (the router's path) on the other.
+    picked = rng.sample(range(len(sessions)), min(len(sessions), 2 * args.turns))
+    half = -(-len(picked) // 2)
+    work = ClientWork(port, [sessions[i] for i in picked[:half]], [sessions[i] for i in picked[half:]], next_id,
+                      args.concurrency, BLOCK_SIZE, FINGERPRINT, args.seed, cpus=args.client_cpus)
+    del sessions
     writes_before = store.snapshot()
-
-    async def turn(index: int) -> None:
-        eid, session, keys, ids = sessions[index]
-        grown = [*keys, rng.randbytes(32)]
-        t0 = time.perf_counter()
-        try:
-            plan = await stub.Place(pb.PlaceRequest(
-                session_id=session, block_keys=grown, num_tokens=len(grown) * BLOCK_SIZE + 1,
-                layout_fingerprint=FINGERPRINT, block_size=BLOCK_SIZE, pin=True, no_decode_local=True), timeout=30)
-            place_ms.append((time.perf_counter() - t0) * 1e3)
-            name = pb.Decision.Name(plan.decision).removeprefix("DECISION_")
-            decisions[name] = decisions.get(name, 0) + 1
-            if plan.HasField("pin"):
-                await stub.CompleteTransfer(pb.CompleteTransferRequest(
-                    pin_id=plan.pin.pin_id, success=True, bytes=len(keys) * 65536, duration_s=0.01), timeout=30)
-            new_ids = [*ids, next_id[eid]]
-            next_id[eid] += 1
-            await stub.PublishLease(pb.PublishLeaseRequest(
-                engine_id=eid, session_id=session, block_keys=grown, block_ids=new_ids,
-                num_tokens=len(grown) * BLOCK_SIZE), timeout=30)
-            sessions[index] = (eid, session, grown, new_ids)
-            turn_ms.append((time.perf_counter() - t0) * 1e3)
-        except grpc.aio.AioRpcError:
-            result.errors += 1
-
-    async def client(mine: list[int]) -> None:
-        for index in mine:
-            await turn(index)
-
-    await asyncio.gather(*(client(order[c::args.concurrency]) for c in range(args.concurrency)))
+    client = await _play_in_a_process(work)
     puts, deletes, transactions = (a - b for a, b in zip(store.snapshot(), writes_before, strict=True))
-    done = max(1, len(turn_ms))
+    done = max(1, len(client.turn_ms))
     result.writes_per_turn = {"puts": round(puts / done, 2), "deletes": round(deletes / done, 2),
                               "etcd_transactions": round(transactions / done, 2)}
-    result.place_ms = {q: round(quantile(place_ms, v), 3) for q, v in (("p50", 0.5), ("p99", 0.99))}
-    result.turn_ms = {q: round(quantile(turn_ms, v), 3) for q, v in (("p50", 0.5), ("p99", 0.99))}
-    result.decisions = decisions
+    result.place_ms = _percentiles(client.place_ms)
+    result.place_stream_ms = _percentiles(client.place_stream_ms)
+    result.turn_ms = _percentiles(client.turn_ms)
+    result.turns = {"unary": len(client.place_ms), "stream": len(client.place_stream_ms)}
+    result.decisions = client.decisions
+    result.errors += client.errors
 
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    stub = broker_pb2_grpc.KVBrokerStub(channel)
     # One keep-alive round: every engine's KeepAlive rewrites its engine record.
     before_ka = store.puts
     for eid in decodes[:200]:
@@ -343,6 +389,8 @@ def growth(results: list[SizeResult]) -> list[dict[str, Any]]:
         out.append({"from": f"{a.engines} engines, {a.blocks} blocks", "to": f"{b.engines} engines, {b.blocks} blocks",
                     "place_p50": round(b.place_ms["p50"] / max(a.place_ms["p50"], 1e-9), 2),
                     "place_p99": round(b.place_ms["p99"] / max(a.place_ms["p99"], 1e-9), 2),
+                    "place_stream_p50": round(b.place_stream_ms["p50"] / max(a.place_stream_ms["p50"], 1e-9), 2),
+                    "place_stream_p99": round(b.place_stream_ms["p99"] / max(a.place_stream_ms["p99"], 1e-9), 2),
                     "core_place_p50": round(b.core_place_ms["p50"] / max(a.core_place_ms["p50"], 1e-9), 2),
                     "memory": round(b.bytes_per_block * b.blocks / max(a.bytes_per_block * a.blocks, 1e-9), 2)})
     return out
@@ -364,16 +412,19 @@ def validate(args: argparse.Namespace) -> None:
 
 def main(args: argparse.Namespace) -> int:
     validate(args)
+    cpus = sorted(os.sched_getaffinity(0))
+    # One broker core: the size's process (the broker) on the first, the client process on the rest.
+    args.broker_cpus, args.client_cpus = ({cpus[0]}, set(cpus[1:])) if len(cpus) >= 2 else (None, None)
     results = []
     for step in reversed(range(args.steps)):
         engines, blocks = args.engines >> step, args.blocks >> step
         print(f"size {engines} engines, {blocks} blocks: filling ...", flush=True)
-        # On the event loop the broker serves on (uvloop where installed), so Place over gRPC costs what it does in
-        # the service.
-        results.append(run_async(run_size(engines, blocks, args)))
+        results.append(_measure_in_a_process(engines, blocks, args))
         r = results[-1]
-        print(f"  fill {r.fill_s}s, {r.bytes_per_block} B/block; Place over gRPC p50 {r.place_ms['p50']} ms "
-              f"p99 {r.place_ms['p99']} ms (core alone p50 {r.core_place_ms['p50']} p99 {r.core_place_ms['p99']}); "
+        print(f"  fill {r.fill_s}s, {r.bytes_per_block} B/block; Place over PlaceStream p50 "
+              f"{r.place_stream_ms['p50']} ms p99 {r.place_stream_ms['p99']} ms, unary p50 {r.place_ms['p50']} ms "
+              f"p99 {r.place_ms['p99']} ms, n {r.turns} (core alone p50 {r.core_place_ms['p50']} "
+              f"p99 {r.core_place_ms['p99']}); "
               f"turn p50 {r.turn_ms['p50']} p99 {r.turn_ms['p99']} ms; writes/turn {r.writes_per_turn}; "
               f"keep-alive writes/engine {r.keepalive_writes_per_engine}; "
               f"publish {r.publish_blocks_per_s:.0f} blocks/s, cache events {r.cache_events_per_s:.0f}/s; "
@@ -386,7 +437,8 @@ def main(args: argparse.Namespace) -> int:
                            "PublishLease(+1 block, supersedes)"},
               "sizes": [r.__dict__ for r in results], "growth": growth(results)}
     for g in report["growth"]:
-        print(f"growth {g['from']} -> {g['to']}: Place p50 x{g['place_p50']}, p99 x{g['place_p99']}, core p50 "
+        print(f"growth {g['from']} -> {g['to']}: Place p50 x{g['place_p50']}, p99 x{g['place_p99']}, over the "
+              f"stream p50 x{g['place_stream_p50']}, p99 x{g['place_stream_p99']}, core p50 "
               f"x{g['core_place_p50']}, memory x{g['memory']}")
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))

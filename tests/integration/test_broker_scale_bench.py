@@ -24,10 +24,15 @@ def test_a_tiny_run_reports_every_figure(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     sizes = report["sizes"]
     assert [(s["engines"], s["blocks"]) for s in sizes] == [(8, 4096), (16, 8192)]
+    # Each phase plays 40 turns on sessions of its own; the smaller size holds only 64 sessions, 32 for each.
+    assert [s["turns"] for s in sizes] == [{"unary": 32, "stream": 32}, {"unary": 40, "stream": 40}]
     for size in sizes:
-        assert size["errors"] == 0 and size["decisions"] == {"TRANSFER": 40}  # strict P/D, pinned: a pull each turn
+        played = size["turns"]["unary"] + size["turns"]["stream"]
+        assert size["errors"] == 0 and size["decisions"] == {"TRANSFER": played}  # strict P/D, pinned: a pull a turn
         assert 0 < size["core_place_ms"]["p50"] <= size["core_place_ms"]["p99"]
         assert 0 < size["place_ms"]["p50"] <= size["place_ms"]["p99"]
+        assert 0 < size["place_stream_ms"]["p50"] <= size["place_stream_ms"]["p99"]
+        assert size["bytes_per_block"] > 0
         assert size["publish_blocks_per_s"] > 0 and size["cache_events_per_s"] > 0
         assert size["writes_per_turn"]["etcd_transactions"] > 0
         rebuild = size["rebuild_s"]  # the rebuild itself checks it loaded every lease

@@ -124,3 +124,40 @@ def test_a_ranking_stays_ordered_as_keys_change(moves: list[tuple[int, float]]) 
     assert list(ranking.ids()) == [e for _, e in sorted((v, e) for e, v in model.items())]
     assert ranking.first(2, lambda e: e.endswith("1")) == [e for _, e in sorted(
         (v, e) for e, v in model.items() if not e.endswith("1"))][:2]
+
+
+def test_leases_on_different_engines_share_one_int_per_block_id() -> None:
+    """The pool's ids repeat across engines; each value is kept once (broker memory per retained block)."""
+    state = BrokerState(LruPolicy())
+    for eid in ("d1", "d2"):
+        state.register(EngineInfo(eid, Role.DECODE, 1, "fpA", 64), 0.0)
+    # int(str) builds a fresh object each time: equal values, different objects, as two requests' ids arrive.
+    first = state.publish("d1", "s1", chain((1, 2, 3), "fpA"), [int("1000"), int("1001"), int("1002")], 3, 0, 0.0)
+    second = state.publish("d2", "s2", chain((4, 5, 6), "fpA"), [int("1000"), int("1001"), int("1002")], 3, 0, 0.0)
+    a, b = state.leases[first[0].lease_id], state.leases[second[0].lease_id]
+    assert a.block_ids == b.block_ids == (1000, 1001, 1002)
+    assert all(x is y for x, y in zip(a.block_ids, b.block_ids, strict=True))
+
+
+@PROPS
+@given(st.lists(st.tuples(st.booleans(), st.sets(st.sampled_from([0, 1, 7, 8, 9, 63, 64, 200, 1023, 1024, 5000]),
+                                                  max_size=6)), max_size=40))
+def test_block_refs_count_as_a_counter_does(ops: list[tuple[bool, set[int]]]) -> None:
+    """BlockRefs (a bitmap for blocks held once, a dict past that or past its limit) against a Counter as the oracle;
+    the limit of 1,024 puts some ids in the dict alone."""
+    from collections import Counter
+
+    from kvloop.broker.core.holders import BlockRefs
+
+    refs, oracle = BlockRefs(limit=1024), Counter[int]()
+    for hold, blocks in ops:
+        if hold:
+            refs.hold(blocks)
+            oracle.update(blocks)
+        else:
+            refs.release(blocks)
+            oracle.subtract(blocks)
+            oracle = Counter({b: n for b, n in oracle.items() if n > 0})
+        assert len(refs) == len(oracle)
+        for block in (0, 1, 7, 8, 9, 63, 64, 200, 1023, 1024, 5000, 10**9):
+            assert refs[block] == refs.get(block, 0) == oracle[block]
