@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from kvloop.analyze.stats import quantile
-from kvloop.benchmarks.broker_scale_client import ClientResult, ClientWork, drive
+from kvloop.benchmarks.broker_scale_client import ClientResult, ClientWork, answer, drive, in_a_process
 from kvloop.broker.core import Changes, Lease, PlaceInput
 from kvloop.broker.store.base import Snapshot
 from kvloop.shared.serving import run_async
@@ -143,56 +143,16 @@ def _percentiles(samples: list[float]) -> dict[str, float]:
 
 async def _play_in_a_process(work: ClientWork) -> ClientResult:
     """``work``'s turns played by a spawned client process; this process's event loop serves them meanwhile."""
-    import multiprocessing
-
-    context = multiprocessing.get_context("spawn")
-    mine, theirs = context.Pipe(duplex=False)
-    process = context.Process(target=drive, args=(work, theirs), name="broker-scale-client")
-    process.start()
-    theirs.close()
-    try:
-        reply = await asyncio.to_thread(mine.recv)
-    finally:
-        await asyncio.to_thread(process.join, 60)
-    if isinstance(reply, BaseException):
-        raise RuntimeError(f"broker-scale client failed: {reply!r}") from reply
-    result: ClientResult = reply
+    result: ClientResult = await asyncio.to_thread(in_a_process, drive, (work,), "broker-scale client")
     return result
 
 
 def measure_size(engines: int, blocks: int, args: argparse.Namespace, conn: Any) -> None:
     """A spawned process's entry: one size, measured in a process of its own (so its memory growth is its own, not
-    memory a previous size freed), on the broker's core; the :class:`SizeResult` (or the error) goes to ``conn``."""
-    if args.broker_cpus:
-        os.sched_setaffinity(0, args.broker_cpus)
-    try:
-        # On the event loop the broker serves on (uvloop where installed), so Place over gRPC costs what it does in
-        # the service.
-        conn.send(run_async(run_size(engines, blocks, args)))
-    except BaseException as exc:
-        conn.send(exc)
-        raise
-    finally:
-        conn.close()
-
-
-def _measure_in_a_process(engines: int, blocks: int, args: argparse.Namespace) -> SizeResult:
-    import multiprocessing
-
-    context = multiprocessing.get_context("spawn")
-    mine, theirs = context.Pipe(duplex=False)
-    process = context.Process(target=measure_size, args=(engines, blocks, args, theirs), name="broker-scale-size")
-    process.start()
-    theirs.close()
-    try:
-        reply = mine.recv()
-    except EOFError:
-        reply = RuntimeError(f"the size's process died (exit code {process.exitcode})")
-    process.join(60)
-    if isinstance(reply, BaseException):
-        raise RuntimeError(f"broker-scale size {engines} engines, {blocks} blocks failed: {reply!r}") from reply
-    result: SizeResult = reply
-    return result
+    memory a previous size freed), on the broker's core; the :class:`SizeResult` (or the error) goes to ``conn``.
+    On the event loop the broker serves on (uvloop where installed), so Place over gRPC costs what it does in the
+    service."""
+    answer(conn, args.broker_cpus, lambda: run_async(run_size(engines, blocks, args)))
 
 
 async def run_size(engines: int, blocks: int, args: argparse.Namespace) -> SizeResult:
@@ -419,7 +379,7 @@ def main(args: argparse.Namespace) -> int:
     for step in reversed(range(args.steps)):
         engines, blocks = args.engines >> step, args.blocks >> step
         print(f"size {engines} engines, {blocks} blocks: filling ...", flush=True)
-        results.append(_measure_in_a_process(engines, blocks, args))
+        results.append(in_a_process(measure_size, (engines, blocks, args), f"broker-scale size {engines}"))
         r = results[-1]
         print(f"  fill {r.fill_s}s, {r.bytes_per_block} B/block; Place over PlaceStream p50 "
               f"{r.place_stream_ms['p50']} ms p99 {r.place_stream_ms['p99']} ms, unary p50 {r.place_ms['p50']} ms "

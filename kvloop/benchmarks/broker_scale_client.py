@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,15 +50,41 @@ def drive(work: ClientWork, conn: Any) -> None:
     """A spawned process's entry: play ``work``'s turns, send the :class:`ClientResult` over ``conn``."""
     from kvloop.shared.serving import run_async
 
-    if work.cpus:
-        os.sched_setaffinity(0, work.cpus)
+    answer(conn, work.cpus, lambda: run_async(_play(work)))
+
+
+def answer(conn: Any, cpus: set[int] | None, work: Callable[[], Any]) -> None:
+    """A spawned process's side of :func:`in_a_process`: pinned to ``cpus`` (None: left as it is), send what
+    ``work()`` returns, or the error it raised, over ``conn``."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     try:
-        conn.send(run_async(_play(work)))
+        conn.send(work())
     except BaseException as exc:
         conn.send(exc)
         raise
     finally:
         conn.close()
+
+
+def in_a_process(target: Callable[..., None], args: tuple[Any, ...], name: str) -> Any:
+    """Run ``target(*args, conn)`` in a spawned process (a fresh interpreter: its memory and event loop its own) and
+    return what it sent over ``conn`` through :func:`answer`; raise what it raised, or that it died."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    mine, theirs = context.Pipe(duplex=False)
+    process = context.Process(target=target, args=(*args, theirs), name=name)
+    process.start()
+    theirs.close()
+    try:
+        reply = mine.recv()
+    except EOFError:
+        reply = RuntimeError(f"{name} died (exit code {process.exitcode})")
+    process.join(60)
+    if isinstance(reply, BaseException):
+        raise RuntimeError(f"{name} failed: {reply!r}") from reply
+    return reply
 
 
 async def _play(work: ClientWork) -> ClientResult:
