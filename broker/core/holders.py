@@ -58,9 +58,6 @@ class SharedIds:
         self._limit = limit
         self._ints: dict[int, int] = {}
 
-    def __len__(self) -> int:
-        return len(self._ints)
-
     def share(self, ids: tuple[int, ...]) -> tuple[int, ...]:
         ints, limit = self._ints, self._limit
         return tuple(ints.setdefault(i, i) if i < limit else i for i in ids)

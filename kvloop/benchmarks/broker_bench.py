@@ -62,7 +62,8 @@ class PhaseResult:
             "errors": self.errors, "seconds": round(self.seconds, 2)}
 
 
-def _pin_cores() -> tuple[set[int] | None, set[int] | None]:
+def broker_and_client_cpus() -> tuple[set[int] | None, set[int] | None]:
+    """One core for the broker (the first of this process's), the rest for the clients; (None, None) on one core."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         return None, None
@@ -149,7 +150,7 @@ async def _run_phase(address: str, name: str, clients: int, duration: float, pro
 def _bench_store(store: str, args: argparse.Namespace, work: Path) -> dict[str, PhaseResult]:
     from kvloop.shared import procs
 
-    broker_cpus, client_cpus = _pin_cores()
+    broker_cpus, client_cpus = broker_and_client_cpus()
     etcd = None
     broker_args = ["--store", store, "--log-level", "warning"]
     if store == "etcd":

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from kvloop.analyze.stats import quantile
+from kvloop.benchmarks.broker_bench import broker_and_client_cpus
 from kvloop.benchmarks.broker_scale_client import ClientResult, ClientWork, answer, drive, in_a_process
 from kvloop.broker.core import Changes, Lease, PlaceInput
 from kvloop.broker.store.base import Snapshot
@@ -372,9 +373,8 @@ def validate(args: argparse.Namespace) -> None:
 
 def main(args: argparse.Namespace) -> int:
     validate(args)
-    cpus = sorted(os.sched_getaffinity(0))
-    # One broker core: the size's process (the broker) on the first, the client process on the rest.
-    args.broker_cpus, args.client_cpus = ({cpus[0]}, set(cpus[1:])) if len(cpus) >= 2 else (None, None)
+    # One broker core: the size's process (the broker) on one, the client process on the rest.
+    args.broker_cpus, args.client_cpus = broker_and_client_cpus()
     results = []
     for step in reversed(range(args.steps)):
         engines, blocks = args.engines >> step, args.blocks >> step
