@@ -99,9 +99,10 @@ def sizing(max_prompt: int, concurrency: int) -> Sizing:
     return Sizing(max_len, one * concurrency, None, 0.5, notes)
 
 
-async def start(name: str, model: Path, work: Path, size: Sizing, timeout_s: float
+async def start(name: str, model: Path, work: Path, size: Sizing, timeout_s: float, records: Path | None = None
                 ) -> tuple[EngineSet, LocalCluster | None, str]:
-    """One configuration's engines (and cluster); the OpenAI URL the load goes to."""
+    """One configuration's engines (and cluster); the OpenAI URL the load goes to. ``records``: the kvloop
+    router's per-turn records file (kvloop and kvloop_pd only)."""
     if name == "kvloop_dp":
         def fleet(broker: str) -> list[Any]:
             return [engine_config(model, work, "both", i, connector="kvloop", broker=broker, size=size,
@@ -122,7 +123,8 @@ async def start(name: str, model: Path, work: Path, size: Sizing, timeout_s: flo
                                            router={"request_timeout_s": timeout_s, "decode_local": False})
         engines = cluster.engines
     else:
-        engines, maybe = await start_config("ideal" if name == BASELINE else name, model, work, size, timeout_s)
+        engines, maybe = await start_config("ideal" if name == BASELINE else name, model, work, size, timeout_s,
+                                            records)
         if maybe is None:
             return engines, None, engines.by_id("both-0").url
         cluster = maybe
@@ -298,7 +300,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     configs: dict[str, Any] = {}
     for name in [n for n in args.configs.split(",") if n]:
         print(f"== {name}: engines starting", flush=True)
-        engines, cluster, url = await start(name, model, work / name, size, args.timeout_s)
+        records = args.router_records / f"{name}.jsonl" if args.router_records else None
+        engines, cluster, url = await start(name, model, work / name, size, args.timeout_s, records)
         router = cluster.router.url if cluster is not None and cluster.router is not None else None
         points = []
         try:
@@ -369,6 +372,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default .kvloop/)")
     parser.add_argument("--work-dir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=None, help="write the figures here (JSON; plot beside it)")
+    parser.add_argument("--router-records", type=Path, default=None, help="a folder for the kvloop router's per-turn "
+                        "records (<config>.jsonl: plan, path, timings; kvloop analyze reads them)")
 
 
 def validate(args: argparse.Namespace) -> str:
