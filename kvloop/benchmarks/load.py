@@ -101,15 +101,16 @@ def sizing(max_prompt: int, concurrency: int) -> Sizing:
 
 async def start(name: str, model: Path, work: Path, size: Sizing, timeout_s: float, records: Path | None = None
                 ) -> tuple[EngineSet, LocalCluster | None, str]:
-    """One configuration's engines (and cluster); the OpenAI URL the load goes to. ``records``: the kvloop
-    router's per-turn records file (kvloop and kvloop_pd only)."""
+    """One configuration's engines (and cluster); the OpenAI URL the load goes to. ``records``: the per-turn
+    records file of the configuration's kvloop router (none for the aggregated engine, which has no router)."""
+    recording = {"records_path": str(records)} if records is not None else {}
     if name == "kvloop_dp":
         def fleet(broker: str) -> list[Any]:
             return [engine_config(model, work, "both", i, connector="kvloop", broker=broker, size=size,
                                   blocks=None, extra={}, cores=cores) for i, cores in enumerate(split_cores(2))]
 
         cluster = await LocalCluster.start(fleet, work, separate_broker=True, broker={"engine_ttl_s": 10.0},
-                                           router={"request_timeout_s": timeout_s})
+                                           router={"request_timeout_s": timeout_s, **recording})
         engines: EngineSet = cluster.engines
     elif name == "one_way":
         def configs(broker: str) -> list[Any]:
@@ -120,7 +121,8 @@ async def start(name: str, model: Path, work: Path, size: Sizing, timeout_s: flo
                                              size=size, blocks=None, extra=BASELINE_EXTRA)]
 
         cluster = await LocalCluster.start(configs, work, separate_broker=True, broker={"engine_ttl_s": 10.0},
-                                           router={"request_timeout_s": timeout_s, "decode_local": False})
+                                           router={"request_timeout_s": timeout_s, "decode_local": False,
+                                                   **recording})
         engines = cluster.engines
     else:
         engines, maybe = await start_config("ideal" if name == BASELINE else name, model, work, size, timeout_s,
@@ -372,8 +374,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default .kvloop/)")
     parser.add_argument("--work-dir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=None, help="write the figures here (JSON; plot beside it)")
-    parser.add_argument("--router-records", type=Path, default=None, help="a folder for the kvloop router's per-turn "
-                        "records (<config>.jsonl: plan, path, timings; kvloop analyze reads them)")
+    parser.add_argument("--router-records", type=Path, default=None, help="a folder for each configuration's kvloop "
+                        "router's per-turn records (<config>.jsonl: plan, path, timings; kvloop analyze reads them; "
+                        "the aggregated engine has no router)")
 
 
 def validate(args: argparse.Namespace) -> str:
