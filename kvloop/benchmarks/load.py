@@ -13,6 +13,8 @@ Configurations (``--configs``), on the same engine settings as ``kvloop bench mu
 - ``kvloop_dp``: a data-parallel fleet: one aggregated engine (role ``both``, kvloop's connector) per half of
   the cores behind kvloop's broker and router, which keep each session where its history is and move it (a
   pull) when that engine is busy: llm-d's recommended setup before P/D, with kvloop's return path;
+- ``kvloop_single``: a fleet of one: the aggregated engine (role ``both``, every core) with kvloop's connector,
+  sidecar, broker and router in front: what kvloop's own parts cost a turn, beside the bare engine;
 - ``aggregated``: one engine with its prefix cache on every core: the engine kvloop must match.
 
 Workloads: ``agent`` (AIPerf's synthetic multi-turn chat: sessions sharing one system prompt, every turn the
@@ -64,7 +66,7 @@ from kvloop.engines.config import default_work_dir, split_cores
 from kvloop.engines.model import ensure_tiny_model
 from kvloop.shared.http import metric_by_label, read_metrics
 
-CONFIGS = ("kvloop", "kvloop_pd", "kvloop_dp", "one_way", "aggregated")
+CONFIGS = ("kvloop", "kvloop_pd", "kvloop_dp", "kvloop_single", "one_way", "aggregated")
 BASELINE = "aggregated"
 
 
@@ -104,10 +106,12 @@ async def start(name: str, model: Path, work: Path, size: Sizing, timeout_s: flo
     """One configuration's engines (and cluster); the OpenAI URL the load goes to. ``records``: the per-turn
     records file of the configuration's kvloop router (none for the aggregated engine, which has no router)."""
     recording = {"records_path": str(records)} if records is not None else {}
-    if name == "kvloop_dp":
+    if name in ("kvloop_dp", "kvloop_single"):
+        shares = split_cores(2) if name == "kvloop_dp" else ["auto"]
+
         def fleet(broker: str) -> list[Any]:
             return [engine_config(model, work, "both", i, connector="kvloop", broker=broker, size=size,
-                                  blocks=None, extra={}, cores=cores) for i, cores in enumerate(split_cores(2))]
+                                  blocks=None, extra={}, cores=cores) for i, cores in enumerate(shares)]
 
         cluster = await LocalCluster.start(fleet, work, separate_broker=True, broker={"engine_ttl_s": 10.0},
                                            router={"request_timeout_s": timeout_s, **recording})
