@@ -222,10 +222,15 @@ def place(
     def hop(engine: EngineRecord, compute_tokens: int) -> float:
         return policy.pd_hop_s + queue_s(engine) + compute_tokens / _tps(engine, policy, fleet)[0]
 
+    # A decode engine that can prefill too (role both) computes a prompt it is to decode in the decode request
+    # itself: a prefill request to it would stall the same streams, plus a hop (two requests to one engine).
+    self_serve = decode.info.role.can_prefill and policy.decode_local and request.decode_local
     options: list[_Option] = []
     for p in prefills:
         own = local(p)
-        if own:
+        if self_serve and p is decode:
+            pass  # priced below, as one request
+        elif own:
             options.append(_Option(hop(p, request.num_tokens - own * bs), Decision.PREFILL_LOCAL, p, own, own))
         else:
             options.append(_Option(hop(p, request.num_tokens), Decision.RECOMPUTE, p, 0, 0))
@@ -235,27 +240,34 @@ def place(
             options.append(_Option(seconds, Decision.TRANSFER, p, own, matched, pull))
     veto: Veto | str = ""
     stall_s = 0.0
+    forced = False
     decode_own = local(decode) if decode.info.role.can_decode else 0
-    if decode_own:
+    if decode_own or self_serve:
         tail = request.num_tokens - decode_own * bs
         d_load = decode.load
         tail_s = tail / _tps(decode, policy, fleet)[0]
         streams = d_load.running_requests
+        blocked: Veto | str = ""
         if not (policy.decode_local and request.decode_local):
-            veto = Veto.DISABLED
+            blocked = Veto.DISABLED
         elif tail > policy.decode_local_max_tokens:
-            veto = Veto.TAIL_TOKENS
+            blocked = Veto.TAIL_TOKENS
         elif tail > policy.decode_local_max_share * request.num_tokens:
-            veto = Veto.TAIL_SHARE
+            blocked = Veto.TAIL_SHARE
         elif (d_load.waiting_requests > 0 or streams >= policy.decode_local_max_running
               or streams * tail_s > policy.decode_local_stall_budget_s):
-            veto = Veto.DECODE_BUSY
-        else:
+            blocked = Veto.DECODE_BUSY
+        # A vetoed prompt goes to another prefill engine; where none can take it, the decode engine (role both)
+        # computes it anyway, in one request (a prefill request to it would stall the same streams).
+        forced = bool(blocked) and self_serve and not options
+        if not blocked or forced:
             # Its own wait and compute (the decode engine's queued tails: no flat penalty, its running requests
             # are streams, priced as the stall instead), plus what the tail costs the streams it holds up.
             stall_s = policy.decode_stall_weight * streams * tail_s
             options.append(_Option(queue_s(decode, flat=False) + tail_s + stall_s, Decision.DECODE_LOCAL, decode,
                                    decode_own, decode_own))
+        elif decode_own:
+            veto = blocked
     rank = {Decision.DECODE_LOCAL: 0, Decision.PREFILL_LOCAL: 1, Decision.TRANSFER: 2, Decision.RECOMPUTE: 3}
     best = min(options, key=lambda o: (o.seconds, rank[o.decision], o.prefill.load.score, o.prefill.info.engine_id))
     if veto == "" and decode_own and best.decision is not Decision.DECODE_LOCAL:
@@ -279,14 +291,17 @@ def place(
                         prefill_queue_s=queue_s(best.prefill, flat=best.decision is not Decision.DECODE_LOCAL),
                         decode_stall_s=stall_s)
     reason = {
-        Decision.DECODE_LOCAL: Reason.SHORT_TAIL_ON_DECODE,
+        Decision.DECODE_LOCAL: (Reason.DECODE_ENGINE_COMPUTES if forced else Reason.SHORT_TAIL_ON_DECODE)
+        if decode_own else None,
         Decision.PREFILL_LOCAL: Reason.LOCAL_PREFIX,
         Decision.TRANSFER: Reason.TRANSFER_CHEAPER,
     }.get(best.decision)
     # The longest prefix any engine holds, usable or not: the reuse that was available to this turn.
     seen = min(max([matched, *((cached or {}).get(e.info.engine_id, 0) for e in fit)]), max_blocks)
     if reason is None:
-        if len({o.decision for o in options}) > 1:
+        if best.decision is Decision.DECODE_LOCAL:  # the whole prompt, on the decode engine (role both)
+            reason = Reason.NO_MATCH if not seen else Reason.BELOW_THRESHOLD
+        elif len({o.decision for o in options}) > 1:
             reason = Reason.RECOMPUTE_CHEAPER  # a reuse path existed and cost more
         elif veto:
             reason = Reason.DECODE_LOCAL_VETOED  # only the decode engine held the prefix (decode_local_veto says why)

@@ -725,7 +725,10 @@ class BrokerState:
             chosen |= {e for e in (*totals, *tokens) if e in members}
         k = self.placement_policy.least_loaded_candidates
         for role in ("prefill", "decode"):
-            chosen.update(self.fleet.least_loaded(layout, role, k, chosen.__contains__, by_kv=totals is not None))
+            # One prefill engine more: the decode engine may be one of them (role both), and placement prices a
+            # prompt on it as its decode request's own work, not as a prefill (broker.core.placement).
+            n = k + 1 if role == "prefill" else k
+            chosen.update(self.fleet.least_loaded(layout, role, n, chosen.__contains__, by_kv=totals is not None))
         return self._placed(sorted(e for e in chosen if e in self.engines), totals, tokens)
 
     def lease_matches(self, request: PlaceInput) -> tuple[list[Match], str]:

@@ -25,6 +25,9 @@ class Reason(StrEnum):
     """Why the plan took its path: the broker's reasons, then the ones a fallback puts in their place."""
 
     SHORT_TAIL_ON_DECODE = "short_tail_on_decode"
+    DECODE_ENGINE_COMPUTES = "decode_engine_computes"
+    """DECODE_LOCAL on a decode engine of role both although its tail was vetoed: no other prefill engine could take
+    it, and a prefill request to the engine that decodes would stall the same streams, plus a hop."""
     LOCAL_PREFIX = "local_prefix"
     TRANSFER_CHEAPER = "transfer_cheaper"
     RECOMPUTE_CHEAPER = "recompute_cheaper"

@@ -632,13 +632,18 @@ def test_place_picks_the_longest_usable_prefix(
     assert plan.source_block_ids == chosen.block_ids[: plan.matched_blocks]
     event(f"decision {plan.decision.value}")
     if plan.matched_blocks == 0 or plan.matched_tokens < state.placement_policy.threshold_tokens:
-        assert plan.decision is Decision.RECOMPUTE and plan.recompute_tokens == num_tokens
+        # Nothing to reuse: recomputed, or (a decode engine of role both) computed whole in the decode request.
+        whole_on_decode = plan.decision is Decision.DECODE_LOCAL and plan.decode.role is Role.BOTH
+        assert plan.decision is Decision.RECOMPUTE or whole_on_decode
+        assert plan.recompute_tokens == num_tokens
     elif plan.decision is Decision.PREFILL_LOCAL:
         assert plan.prefill.engine_id == chosen.engine_id and plan.reason == "local_prefix"
         assert plan.recompute_tokens == num_tokens - plan.matched_tokens == num_tokens - plan.local_tokens
     elif plan.decision is Decision.DECODE_LOCAL:
         assert plan.prefill.engine_id == plan.decode.engine_id == chosen.engine_id
-        assert plan.reason == "short_tail_on_decode" and plan.decode_local_veto == ""
+        # decode_engine_computes: the tail was vetoed, and no other engine could take it from a role-both engine.
+        assert plan.decode_local_veto == "" and (plan.reason == "short_tail_on_decode" or (
+            plan.reason == "decode_engine_computes" and plan.decode.role is Role.BOTH))
         assert plan.recompute_tokens == num_tokens - plan.matched_tokens == num_tokens - plan.local_tokens
     elif plan.decision is Decision.TRANSFER:
         assert plan.prefill.engine_id != chosen.engine_id and plan.reason == "transfer_cheaper"

@@ -1035,3 +1035,27 @@ def test_session_tie_break_applies_after_the_last_block_cap() -> None:
     plan = c.place(prompt, session="a")
     assert plan.matched_blocks == 3 and plan.source is not None and plan.source.engine_id == "d1"
     assert plan.decode.engine_id == "d1" and plan.decode_sticky
+
+
+def test_a_decode_engine_of_role_both_computes_its_prompt_in_one_request() -> None:
+    """A fleet of one engine of role both: nothing cached, or a tail past the busy veto, is still the decode
+    request's own work (DECODE_LOCAL), never a prefill request to the engine that then decodes it."""
+    c = Cluster(info("b"))
+    plan = c.place(toks(8 * BS))
+    assert plan.decision is Decision.DECODE_LOCAL and plan.prefill.engine_id == plan.decode.engine_id == "b"
+    assert plan.reason == "no_match" and plan.local_tokens == 0 and plan.recompute_tokens == 8 * BS
+    assert plan.cost.decode_local_s > 0 and plan.cost.recompute_path_s == 0  # no hop priced
+    c.publish("b", toks(8 * BS))
+    c.load("b", running_requests=60, prefill_tokens_per_s=1000.0)  # 60 streams x a 3-block tail: over the budget
+    busy = c.place(toks(11 * BS + 1))
+    assert busy.decision is Decision.DECODE_LOCAL and busy.reason == "decode_engine_computes"
+    assert busy.decode_local_veto == "" and busy.cost.decode_stall_s > 0
+
+
+def test_a_vetoed_tail_on_a_both_engine_goes_to_another_prefill_engine() -> None:
+    c = Cluster(info("b"), info("p", Role.PREFILL))
+    c.publish("b", toks(8 * BS))
+    c.load("b", running_requests=60, prefill_tokens_per_s=1000.0)
+    plan = c.place(toks(11 * BS + 1))
+    assert plan.decode.engine_id == "b" and plan.prefill.engine_id == "p"
+    assert plan.decision is not Decision.DECODE_LOCAL and plan.decode_local_veto == "decode_busy"
