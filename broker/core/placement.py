@@ -8,7 +8,9 @@ reported figures. One cost model prices every possible path in estimated seconds
   is short (``decode_local_max_tokens``), a small share of the prompt (``decode_local_max_share``) and its
   stall of the decode engine's streams is within budget: the tail's compute time, times the streams it holds
   up, at most ``decode_local_stall_budget_s`` (the busy veto), and none queued. Inside the budget the stall is
-  still priced: ``decode_stall_weight`` per stream-second. ``decode_local=False`` gives strict P/D.
+  still priced: ``decode_stall_weight`` per stream-second. ``decode_local=False`` gives strict P/D. A decode engine
+  of role both computes any prompt it is to decode this way (a prefill request to itself would be a second
+  request and a hop on the same streams); a vetoed one goes to another prefill engine, or stays when none can.
 - **PREFILL_LOCAL**: a prefill engine's own cache (a lease or its prefix cache) holds the prefix: the P/D hop
   plus its tail.
 - **TRANSFER**: the P/D hop, plus a pull of the blocks beyond the prefill engine's own prefix from the lease
