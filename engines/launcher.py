@@ -185,6 +185,13 @@ def build_sidecar_env(config: EngineConfig, *, engine_id: str, port: int, nixl_p
     return {f"KVLOOP_SIDECAR_{k}": v for k, v in values.items()}
 
 
+_PICKED: set[int] = set()
+"""Ports this process has handed out: the probe below only says a port is free *now*, and an engine binds its
+ports tens of seconds later, so two picks in one process could otherwise return the same one (seen in a chaos
+run: one engine's vLLM port was another sidecar's metrics port)."""
+_PICKED_LOCK = threading.Lock()
+
+
 def pick_port(host: str = "127.0.0.1", avoid: set[int] | None = None) -> int:
     """A free TCP port *below* the kernel's ephemeral range.
 
@@ -198,15 +205,17 @@ def pick_port(host: str = "127.0.0.1", avoid: set[int] | None = None) -> int:
     candidates = list(range(max(1024, low - 12000), low))
     random.shuffle(candidates)
     bind_host = host if host not in ("", "::") else "0.0.0.0"
-    for port in candidates[:200]:
-        if avoid and port in avoid:
-            continue
-        family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((bind_host, port))
-            except OSError:
+    with _PICKED_LOCK:
+        for port in candidates[:200]:
+            if (avoid and port in avoid) or port in _PICKED:
                 continue
+            family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((bind_host, port))
+                except OSError:
+                    continue
+            _PICKED.add(port)
             return port
     return free_port()  # everything below the range is taken: fall back to an ephemeral one
 

@@ -31,6 +31,9 @@ from kvloop.shared.tls import TlsFiles
 from kvloop.shared.vocabulary import Fallback
 from kvloop.v1 import broker_pb2 as pb
 
+COMPLETE_RETRY_S: tuple[float | None, ...] = (0.5, 1.0, 2.0, 4.0, None)
+"""Waits between ``CompleteTransfer`` tries while the brokers answer UNAVAILABLE (about 7.5 s in all)."""
+
 log = structlog.get_logger("kvloop.router")
 
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
@@ -176,11 +179,19 @@ class Placer:
         broker, request = self.broker, complete_request(pin, report)
 
         async def send() -> None:
-            try:
-                await broker.call("CompleteTransfer", request)
-            except Exception as exc:
-                self.metrics.broker_errors.labels("CompleteTransfer").inc()
-                log.info("router.complete_failed", pin=pin.pin_id, error=str(exc))
+            # Retried while no replica leads (a fail-over takes a leader TTL or two): a pin left behind holds its
+            # lease's blocks until the pin's timeout, after its source may have let them go.
+            for delay in COMPLETE_RETRY_S:
+                try:
+                    await broker.call("CompleteTransfer", request)
+                    return
+                except Exception as exc:
+                    unavailable = isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE
+                    if not unavailable or delay is None:
+                        self.metrics.broker_errors.labels("CompleteTransfer").inc()
+                        log.info("router.complete_failed", pin=pin.pin_id, error=str(exc))
+                        return
+                await asyncio.sleep(delay)
 
         task = asyncio.create_task(send())
         self._background.add(task)

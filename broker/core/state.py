@@ -199,6 +199,11 @@ class BrokerState:
         """Each engine's prefix cache as its KV events tell it: in memory only, never in ``Changes``."""
         self.in_flight = InFlight(ttl_s=self.placement_policy.in_flight_ttl_s)
         """The routers' requests in flight per engine: in memory only, never in ``Changes``."""
+        self.unheard: set[str] = set()
+        """Engines restored from a store (:meth:`load`) that have not registered or kept alive with this state yet.
+        Their leases are neither matched nor pinned: the sidecar renews its engine's safety holds only after a
+        keep-alive succeeds, so across a fail-over an engine's holds may be lapsing while the new leader still
+        lists its leases (it gives the engine a keep-alive period to find it)."""
         self._changes = Changes()
 
     # ----------------------------------------------------------------- bookkeeping
@@ -235,6 +240,7 @@ class BrokerState:
         engine that reconnects with an older sequence number gets a resync."""
         for rec in engines:
             self._open_engine(rec)
+            self.unheard.add(rec.info.engine_id)
         for lease in leases:
             if lease.engine_id in self.engines:
                 lease.pin_ids = set()
@@ -248,6 +254,7 @@ class BrokerState:
     # ----------------------------------------------------------------- engines
     def register(self, info: EngineInfo, now: float) -> tuple[EngineRecord, list[str]]:
         check_engine_info(info, self.limits)
+        self.unheard.discard(info.engine_id)
         old = self.engines.get(info.engine_id)
         if old is not None and old.info.incarnation == info.incarnation:
             changed = ("engine.layout_fingerprint" if old.info.layout_fingerprint != info.layout_fingerprint
@@ -301,6 +308,7 @@ class BrokerState:
                 raise InvalidArgument(f"load.{name}: must be within 0..{most:g}", field=f"load.{name}")
         rec.load = load
         rec.last_seen = now
+        self.unheard.discard(engine_id)
         self.fleet.update(rec)
         self._touch_engine(rec)
         if load.memory_pressure:
@@ -323,6 +331,7 @@ class BrokerState:
         self.fleet.remove(engine_id)
         self.soft.drop(engine_id)
         self._books.pop(engine_id, None)
+        self.unheard.discard(engine_id)
         self._changes.engines[engine_id] = None
         return len(lease_ids)
 
@@ -615,6 +624,10 @@ class BrokerState:
         if lease.demoting_until:
             raise FailedPrecondition(f"lease_id: lease {lease_id!r} is being copied to its engine's host tier",
                                      field="lease_id")
+        if lease.engine_id in self.unheard:
+            raise FailedPrecondition(f"lease_id: lease {lease_id!r} is on engine {lease.engine_id!r}, which has not "
+                                     "kept alive with this leader yet (its safety hold may be running out)",
+                                     field="lease_id")
         if not reader.info.same_layout(self.engines[lease.engine_id].info):
             raise FailedPrecondition(
                 f"reader_engine_id: engine {reader_engine_id!r} has a different KV layout fingerprint or block "
@@ -737,7 +750,7 @@ class BrokerState:
         def eligible(lease: Lease) -> bool:
             rec = self.engines.get(lease.engine_id)
             return (rec is not None and lease.pending is None and not lease.demoting_until
-                    and rec.info.block_size == request.block_size
+                    and lease.engine_id not in self.unheard and rec.info.block_size == request.block_size
                     and rec.info.layout_fingerprint == request.layout_fingerprint)
 
         matches = self._index.longest(request.keys, self.leases, eligible) if request.keys else []

@@ -191,6 +191,9 @@ class Sidecar(engine_link_pb2_grpc.EngineLinkServicer):
                 log.warning("lease.unknown_to_engine", lease=lease_id)
                 self._spawn(self._release_at_broker(lease_id))
             self._set_registered(True)
+            if self.books.held:
+                # The broker offers these again from now (a new leader waits for this): hold them from now too.
+                self._command(lpb.ConnectorCommand(hold_request_ids=list(self.books.held), hold_s=self.config.hold_s))
             log.info("broker.registered", engine=self.config.engine_id, keepalive_s=self.keepalive_interval_s,
                      engine_ttl_s=reply.engine_ttl_s, hold_s=self.config.hold_s)
             if reply.engine_ttl_s and self.config.hold_s <= reply.engine_ttl_s:

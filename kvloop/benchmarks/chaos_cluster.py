@@ -161,11 +161,13 @@ class ChaosCluster:
                 raise RuntimeError(f"engine {engine_id} did not come up:\n{engine.log_tail()}")
             await asyncio.sleep(0.5)
         while time.monotonic() < deadline:
+            if not engine.alive:  # it died after its first /health: say so now, with its log, not at the deadline
+                raise RuntimeError(f"engine {engine_id} exited before it registered:\n{engine.log_tail()}")
             found = await self.leader()
             if found is not None and any(e.engine.engine_id == engine_id for e in found[1].engines):
                 return
             await asyncio.sleep(0.3)
-        raise TimeoutError(f"engine {engine_id} never registered with the leader")
+        raise TimeoutError(f"engine {engine_id} never registered with the leader:\n{engine.log_tail()}")
 
     def roles(self, role: str) -> list[str]:
         return sorted(eid for eid, e in self.engines.items() if e.plan.config.role == role)

@@ -194,7 +194,11 @@ async def test_failover_to_the_follower(start_broker: ModuleBrokerFactory, etcd_
         ack = await client.call("ReportCacheEvents", pb.CacheEventBatch(engine_id="p", incarnation="inc-1", seq=2))
         assert ack.reset and ack.expected_seq == 3
 
-        # The same client keeps working: the dead replica answers UNAVAILABLE and it moves on.
+        # The same client keeps working: the dead replica answers UNAVAILABLE and it moves on. The new leader offers
+        # d's lease only once d has kept alive with it: until then d's safety holds may be running out.
+        plan = await client.call("Place", place_request(tokens(4 * BS + 9), FP))
+        assert plan.source_lease_id == "", plan
+        await client.call("KeepAlive", pb.KeepAliveRequest(engine_id="d"))
         plan = await client.call("Place", place_request(tokens(4 * BS + 9), FP))
         assert plan.decision == pb.DECISION_TRANSFER and plan.source_lease_id == lease.lease_id
         assert took < 20

@@ -974,8 +974,16 @@ def test_load_restores_a_state() -> None:
     assert set(restored.leases) == set(c.state.leases) and restored.pins == {pin.pin_id: pin}
     assert restored.leases[lease.lease_id].pin_ids == {pin.pin_id}
     assert restored.retained_blocks("d1") == c.state.retained_blocks("d1") == 9
-    plan = restored.place(PlaceInput(keys_of(toks(8 * BS + 1)), 8 * BS + 1, FP, BS, "s"), 1.0)
+    # Until an engine is heard from, its safety holds may be lapsing: its leases are neither matched nor pinned.
+    assert restored.unheard == {"p", "d1", "d2"}
+    request = PlaceInput(keys_of(toks(8 * BS + 1)), 8 * BS + 1, FP, BS, "s")
+    assert restored.place(request, 1.0).source_lease_id == ""
+    raises(FailedPrecondition, "lease_id", lambda: restored.pin("p", lease.lease_id, 4, 0.0, 1.0))
+    restored.keepalive("d1", EngineLoad(), 1.0)
+    assert restored.unheard == {"p", "d2"}
+    plan = restored.place(request, 1.0)
     assert plan.source_lease_id == lease.lease_id and plan.matched_blocks == 8
+    restored.pin("p", lease.lease_id, 4, 0.0, 1.0)
     (resync,) = restored.commands_after("d1", 4)  # the log starts empty after a restore
     assert resync.reason is EvictionReason.RESYNC and resync.seq == 5
     assert restored.commands_after("d1", 5) == []

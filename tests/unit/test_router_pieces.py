@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from kvloop.engines.launcher import rpc_dir, short_path
+from kvloop.engines.launcher import pick_port, rpc_dir, short_path
 from kvloop.router.config import RouterConfig
 from kvloop.router.directory import Directory
 from kvloop.router.server import validate
@@ -156,6 +156,16 @@ def test_short_paths_fit_unix_sockets(tmp_path: Path) -> None:
     assert rpc_dir(deep) == rpc_dir(deep) != rpc_dir(deep / "other")
     shallow = Path("/tmp/e")
     assert rpc_dir(shallow) == shallow / "rpc" and short_path(shallow / "s.sock", 0, "k") == shallow / "s.sock"
+
+
+def test_picked_ports_are_never_handed_out_twice() -> None:
+    # Each pick only probes that a port is free now; the engines bind theirs much later, so a process's picks
+    # must differ among themselves (a chaos cluster once gave one port to a vLLM server and a metrics server).
+    picks = [pick_port() for _ in range(150)]
+    assert len(set(picks)) == len(picks)
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    assert all(p < low for p in picks)
 
 
 def test_router_config_names_the_bad_field() -> None:
