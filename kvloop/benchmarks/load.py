@@ -22,8 +22,10 @@ whole history) swept over concurrent sessions; ``trace`` (a Mooncake-format JSON
 :func:`scale_trace`) swept over replay speed. Per point: goodput (DistServe), the SLO attainment, TTFT,
 per-request ITL, chunk gaps and end-to-end p50/p95/p99 with n, throughput, each core's busy share from
 ``/proc/stat`` and the CPU seconds split between the load generator, this process (with kvloop's router, which
-runs in it) and the rest (engines, sidecars, broker), the paths kvloop's router took, and the engines' queue
-stalls; per configuration the knees (the highest load with 90% and 99% of requests within the SLO).
+runs in it) and the rest (engines, sidecars, broker), with the rest's engine processes (worker, EngineCore, API
+server), sidecars and broker each counted from ``/proc/PID/stat`` (``cpu_s_by_part``: what kvloop's parts cost beside
+the bare engine), the paths kvloop's router took, and the engines' queue stalls; per configuration the knees (the
+highest load with 90% and 99% of requests within the SLO).
 
 Health: a configuration whose point has errors or a request queued over ``STALL_S`` in an engine is unhealthy
 there; at its lowest load its time to first token is held against its engines' prefill time as in the
@@ -47,7 +49,18 @@ from typing import Any
 
 from kvloop.benchmarks import aiperf
 from kvloop.benchmarks.aiperf import AgentLoad, Slo, TraceLoad
-from kvloop.benchmarks.load_stats import busy_share, cpu_times, knee, point_figures, ratio
+from kvloop.benchmarks.load_stats import (
+    PARTS,
+    busy_share,
+    cpu_by_part,
+    cpu_times,
+    descendants,
+    knee,
+    point_figures,
+    process_part,
+    process_stat,
+    ratio,
+)
 from kvloop.benchmarks.multiturn import (
     BASELINE_EXTRA,
     BLOCK,
@@ -138,16 +151,35 @@ async def start(name: str, model: Path, work: Path, size: Sizing, timeout_s: flo
     return engines, cluster, cluster.router.url
 
 
+def parts_cpu() -> dict[int, tuple[str, int]]:
+    """pid -> (part, jiffies) of this process's descendants that are one of :data:`PARTS` (blocking)."""
+    parents, seen = {}, {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent, ticks = process_stat((entry / "stat").read_text())
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+        parents[int(entry.name)] = parent
+        if (part := process_part(cmdline)) is not None:
+            seen[int(entry.name)] = (part, ticks)
+    mine = descendants(parents, os.getpid())
+    return {pid: v for pid, v in seen.items() if pid in mine}
+
+
 def snapshot(urls: list[str], serving: list[str], router: str | None
-             ) -> tuple[dict[str, tuple[int, int]], dict[str, float], dict[str, float], tuple[float, float]]:
-    """Each core's jiffies, the engines' figures, the router's turns by path, and the CPU seconds of this process
-    (the bench and kvloop's in-process router) and of its finished children (AIPerf runs) (blocking: run in a
-    thread)."""
+             ) -> tuple[dict[str, tuple[int, int]], dict[str, float], dict[str, float], tuple[float, float],
+                        dict[int, tuple[str, int]]]:
+    """Each core's jiffies, the engines' figures, the router's turns by path, the CPU seconds of this process
+    (the bench and kvloop's in-process router) and of its finished children (AIPerf runs), and the jiffies of each
+    engine process, sidecar and broker (:func:`parts_cpu`) (blocking: run in a thread)."""
     paths = {} if router is None else metric_by_label(read_metrics(router), "kvloop_router_decisions_total",
                                                        "decision")
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return (cpu_times(Path("/proc/stat").read_text()), engine_snapshot(urls, serving), paths,
-            (own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime))
+            (own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime), parts_cpu())
 
 
 def cpu_split(before: tuple[Any, ...], after: tuple[Any, ...]) -> dict[str, float]:
@@ -179,7 +211,8 @@ async def run_point(name: str, load_value: float, url: str, router: str | None, 
     eng = {k: after[1].get(k, 0.0) - before[1].get(k, 0.0) for k in after[1]}
     paths = {k: int(v - before[2].get(k, 0.0)) for k, v in after[2].items() if v - before[2].get(k, 0.0) > 0}
     figures.update(load=load_value, concurrency=concurrency, aiperf_seconds=round(seconds, 1),
-                   cores_busy=busy_share(before[0], after[0]), cpu_s=cpu_split(before, after), paths=paths,
+                   cores_busy=busy_share(before[0], after[0]), cpu_s=cpu_split(before, after),
+                   cpu_s_by_part=cpu_by_part(before[4], after[4], os.sysconf("SC_CLK_TCK")), paths=paths,
                    stalled_requests=int(eng.get("stalled", 0)),
                    prefill_time_s=round(eng.get("vllm:request_prefill_time_seconds_sum", 0.0), 3),
                    ttft_sum_s=round(sum(r.ttft_ms or 0.0 for r in records if not r.error) / 1e3, 3))
@@ -236,6 +269,20 @@ def compare(configs: dict[str, Any]) -> dict[str, Any]:
                         "ttft_p99": ratio(p["ttft_ms"]["p99"], b["ttft_ms"]["p99"]),
                         "itl_p99": ratio(p["itl_ms"]["p99"], b["itl_ms"]["p99"])}
     return out
+
+
+def parts_table(configs: dict[str, Any]) -> str:
+    """CPU seconds of each point by part, and per request: where one configuration's cores go beside another's."""
+    rows = []
+    for name, config in configs.items():
+        for p in config["points"]:
+            parts = p.get("cpu_s_by_part") or {}
+            served = max(1, p["requests"] - p["errors"])
+            own = {"router": p["cpu_s"]["bench_and_router"], **parts}
+            rows.append([name, f"{p['load']:g}", *(f"{own.get(k, 0.0):g}" for k in ("router", *PARTS)),
+                         f"{1000 * sum(own.values()) / served:.0f}"])
+    return markdown_table(["config", "load", "CPU s router", "engine worker", "engine core", "engine API server",
+                           "sidecar", "broker", "ms per request"], rows)
 
 
 def table(configs: dict[str, Any]) -> str:
@@ -336,7 +383,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                                 {"kind": "agent", **asdict(load_for(args, loads[0], None)),
                                  "sessions_per_load": args.sessions_per_load, "load_axis": "concurrent sessions"})
     result: dict[str, Any] = {
-              "configs": configs, "ratios": compare(configs), "markdown": table(configs), "workload": workload,
+              "configs": configs, "ratios": compare(configs),
+              "markdown": table(configs) + "\n\n" + parts_table(configs), "workload": workload,
               "slo": asdict(args.slo), "loads": loads, "aiperf": aiperf.VERSION, "sizing": size.notes,
               "engines": {"cores": {**cores_record(size.cores), BASELINE: "auto"}, "one_way_connector": BASELINE_EXTRA},
               "machine": {"cpus": len(os.sched_getaffinity(0)), "model": str(model)},

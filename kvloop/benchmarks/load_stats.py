@@ -80,5 +80,57 @@ def busy_share(before: Mapping[str, tuple[int, int]], after: Mapping[str, tuple[
     return out
 
 
+PARTS = ("engine_worker", "engine_core", "engine_api", "sidecar", "broker")
+"""The long-lived processes of a configuration whose CPU a point splits out (AIPerf and this process, with kvloop's
+router, are counted from ``getrusage``)."""
+
+
+def process_part(cmdline: str) -> str | None:
+    """Which part of a configuration a process is, from its command line (vLLM's children rename theirs with
+    ``setproctitle``); None for anything else."""
+    if cmdline.startswith("VLLM::Worker"):
+        return "engine_worker"
+    if cmdline.startswith("VLLM::EngineCore"):
+        return "engine_core"
+    if "kvloop.engines.vllm_entry" in cmdline:
+        return "engine_api"
+    if "kvloop.engines.sidecar" in cmdline:
+        return "sidecar"
+    if "broker serve" in cmdline:
+        return "broker"
+    return None
+
+
+def process_stat(stat_text: str) -> tuple[int, int]:
+    """(parent pid, utime + stime jiffies of the process and its exited threads) from ``/proc/PID/stat``."""
+    fields = stat_text[stat_text.rindex(")") + 2:].split()
+    return int(fields[1]), int(fields[11]) + int(fields[12])
+
+
+def descendants(parents: Mapping[int, int], root: int) -> set[int]:
+    """The pids below ``root`` in a pid -> parent pid map."""
+    children: dict[int, list[int]] = {}
+    for pid, parent in parents.items():
+        children.setdefault(parent, []).append(pid)
+    out: set[int] = set()
+    todo = [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
+    return out
+
+
+def cpu_by_part(before: Mapping[int, tuple[str, int]], after: Mapping[int, tuple[str, int]], hz: int
+                ) -> dict[str, float]:
+    """CPU seconds per :data:`PARTS` between two readings of pid -> (part, jiffies); a process that started between
+    them counts from zero, one that ended is not seen (engines, sidecars and brokers outlive a point)."""
+    out = dict.fromkeys(PARTS, 0.0)
+    for pid, (part, ticks) in after.items():
+        out[part] += (ticks - before[pid][1] if pid in before else ticks) / hz
+    return {k: round(v, 2) for k, v in out.items()}
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None

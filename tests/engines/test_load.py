@@ -43,6 +43,12 @@ def test_two_load_points_kvloop_beside_the_aggregated_engine(tiny_model: Path, t
     kvloop = data["configs"]["kvloop"]["points"]
     assert all(sum(p["paths"].values()) == p["requests"] for p in kvloop), kvloop  # the router's own count
     assert all(p["cpu_s"]["bench_and_router"] > 0 for p in kvloop)  # the router runs in the bench's process
+    # Each part counted from its own process: kvloop's sidecars and broker are there, the bare engine has none.
+    assert all(p["cpu_s_by_part"]["engine_worker"] > 0 and p["cpu_s_by_part"]["engine_api"] > 0 for p in kvloop)
+    assert sum(p["cpu_s_by_part"]["sidecar"] + p["cpu_s_by_part"]["broker"] for p in kvloop) > 0, kvloop
+    bare = data["configs"]["aggregated"]["points"]
+    assert all(p["cpu_s_by_part"]["engine_worker"] > 0 and p["cpu_s_by_part"]["sidecar"] == 0 for p in bare), bare
     assert data["configs"]["aggregated"]["points"][0]["paths"] == {}
     assert set(data["ratios"]) == {"kvloop_over_aggregated@1", "kvloop_over_aggregated@2"}
     assert all(Path(p).stat().st_size > 1000 for p in data["plots"]) and "| config | load |" in done.stdout
+    assert "| config | load | CPU s router |" in done.stdout

@@ -12,7 +12,17 @@ import pytest
 from kvloop.benchmarks import aiperf
 from kvloop.benchmarks.aiperf import AgentLoad, Request, Slo, TraceLoad
 from kvloop.benchmarks.load import add_arguments, compare, scale_trace, validate
-from kvloop.benchmarks.load_stats import busy_share, cpu_times, knee, meets, point_figures
+from kvloop.benchmarks.load_stats import (
+    busy_share,
+    cpu_by_part,
+    cpu_times,
+    descendants,
+    knee,
+    meets,
+    point_figures,
+    process_part,
+    process_stat,
+)
 from kvloop.benchmarks.multiturn import cores_record, role_binding
 from kvloop.engines.config import role_cores
 
@@ -136,3 +146,25 @@ def test_the_cores_plan_binds_p_d_engines_by_role_or_to_every_core() -> None:
     assert parser.parse_args([]).cores == "split"
     with pytest.raises(SystemExit):
         parser.parse_args(["--cores", "half"])
+
+
+def test_cpu_by_part_names_each_process_and_counts_only_this_point() -> None:
+    assert process_part("VLLM::Worker_TP0") == "engine_worker"
+    assert process_part("VLLM::EngineCore") == "engine_core"
+    assert process_part("/v/python -m kvloop.engines.vllm_entry serve /m --port 1") == "engine_api"
+    assert process_part("/v/python -m kvloop.engines.sidecar --engine-id d") == "sidecar"
+    assert process_part("/v/python -m kvloop.cli broker serve --listen x") == "broker"
+    assert process_part("aiperf timing_manager") is None
+    # comm with a space and a parenthesis: the fields after the last ")" are what count
+    assert process_stat("42 (VLLM::Work (x)) S 7 1 1 0 -1 0 0 0 0 0 150 50 0 0") == (7, 200)
+    before = {10: ("engine_worker", 100), 11: ("sidecar", 40)}
+    after = {10: ("engine_worker", 350), 11: ("sidecar", 50), 12: ("broker", 20)}  # the broker started meanwhile
+    assert cpu_by_part(before, after, 100) == {"engine_worker": 2.5, "engine_core": 0.0, "engine_api": 0.0,
+                                               "sidecar": 0.1, "broker": 0.2}
+
+
+def test_descendants_follow_the_process_tree() -> None:
+    parents = {2: 1, 3: 2, 4: 3, 5: 1, 6: 99}
+    assert descendants(parents, 2) == {3, 4}
+    assert descendants(parents, 1) == {2, 3, 4, 5}
+    assert descendants(parents, 6) == set()
