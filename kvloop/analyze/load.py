@@ -1,5 +1,6 @@
-"""Reading what to analyze: the router's records (JSONL of :class:`~kvloop.router.records.TurnRecord`), or
-OpenAI-style conversations (JSONL, one conversation a line) turned into the same records.
+"""Reading what to analyze: the router's records (JSONL of :class:`~kvloop.router.records.TurnRecord`),
+OpenAI-style conversations (JSONL, one conversation a line) or a Mooncake-format trace (:mod:`kvloop.shared.mooncake`)
+turned into the same records.
 
 A conversation line is ``{"id": ..., "messages": [...], "start": s, "think_s": s or [s, ...]}`` or a bare list of
 messages. Each user message starts a turn whose prompt is the conversation up to it, rendered with the model's chat
@@ -11,12 +12,14 @@ the next assistant message's.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvloop.router.records import TurnRecord, key_digests
+from kvloop.router.records import KEY_HEX, TurnRecord, key_digests
+from kvloop.shared import mooncake
 from kvloop.shared.errors import ConfigError
 from kvloop.shared.hashing import ExtraKeys, block_keys
 
@@ -46,6 +49,39 @@ def read_lines(path: Path) -> list[tuple[int, Any]]:
 def is_conversations(lines: Sequence[tuple[int, Any]]) -> bool:
     first = lines[0][1]
     return isinstance(first, list) or (isinstance(first, dict) and "messages" in first)
+
+
+def is_trace(lines: Sequence[tuple[int, Any]]) -> bool:
+    return mooncake.is_trace_line(lines[0][1])
+
+
+def hash_id_key(hash_id: int) -> str:
+    """A trace block's key digest: the trace's ids already name a block with its prefix (equal ids are the same KV),
+    so one hash of the id stands for the chained key kvloop computes from tokens."""
+    return hashlib.sha256(b"mooncake:%d" % hash_id).hexdigest()[:KEY_HEX]
+
+
+def trace_records(rows: Sequence[mooncake.TraceRow], block_size: int, turn_s: float) -> list[TurnRecord]:
+    """One record per request, in arrival order. Sessions are the conversations :func:`mooncake.conversations`
+    infers; a request ends ``turn_s`` after it arrives (the trace has no end times), or at its conversation's next
+    request if that is sooner. Keys: one per whole block of the prompt, from its hash ids."""
+    ordered = sorted(rows, key=lambda r: r.timestamp_ms)
+    convs = mooncake.conversations(ordered)
+    following: dict[int, float] = {}  # conversation -> the start of its request after the one at hand
+    ends = [0.0] * len(ordered)
+    for i in range(len(ordered) - 1, -1, -1):
+        t = ordered[i].timestamp_ms / 1000
+        nxt = following.get(convs[i])
+        ends[i] = t + turn_s if nxt is None else max(t, min(t + turn_s, nxt))
+        following[convs[i]] = t
+    out: list[TurnRecord] = []
+    for row, conv, end in zip(ordered, convs, ends, strict=True):
+        whole = min(len(row.hash_ids), row.input_length // block_size)
+        out.append(TurnRecord(t=row.timestamp_ms / 1000, t_end=end, session=f"conv-{conv}",
+                              prompt_tokens=row.input_length, block_size=block_size,
+                              keys=tuple(hash_id_key(h) for h in row.hash_ids[:whole]),
+                              output_tokens=row.output_length))
+    return out
 
 
 def records_from(lines: Sequence[tuple[int, Any]], path: Path) -> list[TurnRecord]:

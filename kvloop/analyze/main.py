@@ -10,6 +10,7 @@ from kvloop.analyze import load, report
 from kvloop.analyze.analysis import DEFAULT_TTLS, Options, analyze
 from kvloop.analyze.retention import LONGEST_TTL_S, UNLIMITED_BUDGET
 from kvloop.broker.core import POLICIES
+from kvloop.shared import mooncake
 from kvloop.shared.errors import ConfigError
 
 DEFAULT_TOKENIZER = ".kvloop/models/tiny"
@@ -21,8 +22,8 @@ GIVEN = {  # flag -> (CostModel field, scale from the flag's unit)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("records", type=Path, help="JSONL: the router's per-turn records (records_path), or "
-                        "OpenAI-style conversations, one a line (see docs/analyze.md)")
+    parser.add_argument("records", type=Path, help="JSONL: the router's per-turn records (records_path), "
+                        "OpenAI-style conversations, one a line, or a Mooncake-format trace (see docs/analyze.md)")
     parser.add_argument("--out-dir", type=Path, default=None,
                         help="write analysis.md and the PNGs here (default: RECORDS' folder / STEM-analysis)")
     parser.add_argument("--ttls", default=",".join(f"{t:g}" for t in DEFAULT_TTLS),
@@ -52,8 +53,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "directory or hub name, for its tokenizer and chat template (default %(default)s)")
     parser.add_argument("--block-size", type=int, default=16, help="conversations: tokens per KV block "
                         "(default %(default)s)")
-    parser.add_argument("--turn-s", type=float, default=2.0, help="conversations without timestamps: assumed "
-                        "seconds per turn (default %(default)s)")
+    parser.add_argument("--turn-s", type=float, default=2.0, help="conversations without timestamps, and traces: "
+                        "assumed seconds per turn (default %(default)s)")
+    # A trace is cut and scaled as `kvloop bench load --trace` does, so that both see the same requests: the bench
+    # at replay speed v with its --trace-slow S is this with --trace-slow S/v.
+    parser.add_argument("--trace-seconds", type=float, default=0.0, help="trace: only its first this many seconds "
+                        "(of its own clock; default 0: all of it)")
+    parser.add_argument("--trace-length-scale", type=float, default=1.0, help="trace: lengths multiplied by this "
+                        "(default %(default)s)")
+    parser.add_argument("--trace-block-size", type=int, default=0, help="trace: tokens per hash id after scaling "
+                        f"(default 0: {mooncake.MOONCAKE_BLOCK} times --trace-length-scale)")
+    parser.add_argument("--trace-slow", type=float, default=1.0, help="trace: its clock slowed this many times "
+                        "(default %(default)s)")
 
 
 def _numbers(text: str, name: str, kind: type) -> tuple[float, ...]:
@@ -94,11 +105,31 @@ def options(args: argparse.Namespace) -> Options:
                    decode_local=not args.no_decode_local)
 
 
+def trace_block_size(args: argparse.Namespace) -> int:
+    """The trace's tokens per hash id after scaling, with the trace flags checked (each error names its flag)."""
+    for name in ("trace_length_scale", "trace_slow"):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"{name}: must be a finite number > 0", field=name)
+    if not (math.isfinite(args.trace_seconds) and args.trace_seconds >= 0):
+        raise ConfigError("trace_seconds: must be a finite number >= 0 (0: all of it)", field="trace_seconds")
+    size = args.trace_block_size or round(mooncake.MOONCAKE_BLOCK * args.trace_length_scale)
+    if not 0 < size <= 4096:
+        raise ConfigError(f"trace_block_size: must be within 1..4096 tokens (got {size})", field="trace_block_size")
+    return size
+
+
 def main(args: argparse.Namespace) -> int:
     opts = options(args)
+    block_size = trace_block_size(args)
     path: Path = args.records
     lines = load.read_lines(path)
-    if load.is_conversations(lines):
+    if load.is_trace(lines):
+        rows = [mooncake.parse_row(raw, f"{path}:{n}") for n, raw in lines]
+        rows = mooncake.scaled(rows, length_scale=args.trace_length_scale, time_scale=args.trace_slow,
+                               seconds=args.trace_seconds or math.inf)
+        records = load.trace_records(rows, block_size, args.turn_s)
+    elif load.is_conversations(lines):
         tokenize, count = load.model_tokenizer(args.tokenizer)
         records = load.conversation_records(lines, tokenize, count, args.block_size, args.turn_s, str(path))
     else:

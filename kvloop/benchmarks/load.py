@@ -77,6 +77,7 @@ from kvloop.cluster import LocalCluster
 from kvloop.engine_set import EngineSet
 from kvloop.engines.config import default_work_dir, split_cores
 from kvloop.engines.model import ensure_tiny_model
+from kvloop.shared import mooncake
 from kvloop.shared.http import metric_by_label, read_metrics
 
 CONFIGS = ("kvloop", "kvloop_pd", "kvloop_dp", "kvloop_single", "one_way", "aggregated")
@@ -84,25 +85,11 @@ BASELINE = "aggregated"
 
 
 def scale_trace(lines: list[str], *, length_scale: float, time_scale: float, seconds: float) -> list[str]:
-    """A Mooncake-format trace cut to its first ``seconds`` (of the original clock), lengths multiplied by
-    ``length_scale`` and timestamps by ``time_scale`` (3: three times slower). Hash ids are kept: with lengths
-    and block size scaled together (512 -> 128 at 0.25) every block keeps its id. Raises ``ValueError`` naming
-    the line that lacks a field."""
-    out = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        row = json.loads(line)
-        missing = {"timestamp", "input_length", "output_length", "hash_ids"} - set(row)
-        if missing:
-            raise ValueError(f"trace line {n}: missing {sorted(missing)}")
-        if row["timestamp"] > seconds * 1000:
-            continue
-        out.append(json.dumps({"timestamp": int(row["timestamp"] * time_scale),
-                               "input_length": max(1, math.ceil(row["input_length"] * length_scale)),
-                               "output_length": max(1, math.ceil(row["output_length"] * length_scale)),
-                               "hash_ids": row["hash_ids"]}))
-    return out
+    """A Mooncake-format trace cut and scaled (:func:`kvloop.shared.mooncake.scaled`), as JSONL lines for AIPerf.
+    Raises :class:`ConfigError` naming the line and field that is not a request."""
+    rows = mooncake.scaled(mooncake.parse_lines(lines), length_scale=length_scale, time_scale=time_scale,
+                           seconds=seconds)
+    return [r.to_json() for r in rows]
 
 
 def sizing(max_prompt: int, concurrency: int) -> Sizing:

@@ -25,6 +25,7 @@ from kvloop.benchmarks.load_stats import (
 )
 from kvloop.benchmarks.multiturn import cores_record, role_binding
 from kvloop.engines.config import role_cores
+from kvloop.shared.errors import ConfigError
 
 RECORD = {"metadata": {"conversation_id": "session_000001", "turn_index": 2, "request_start_ns": 1_000_000_000,
                        "request_end_ns": 1_500_000_000},
@@ -99,8 +100,9 @@ def test_a_trace_is_cut_scaled_and_keeps_its_hash_ids() -> None:
     out = [json.loads(x) for x in scale_trace(lines, length_scale=0.25, time_scale=3.0, seconds=60)]
     assert [r["timestamp"] for r in out] == [0, 90_000]
     assert out[0] == {"timestamp": 0, "input_length": 250, "output_length": 3, "hash_ids": [1, 2]}
-    with pytest.raises(ValueError, match="line 1: missing"):
+    with pytest.raises(ConfigError, match="line 1: missing input_length") as err:
         scale_trace(['{"timestamp": 0}'], length_scale=1, time_scale=1, seconds=1)
+    assert err.value.field == "input_length"
 
 
 def test_ratios_against_the_aggregated_engine_are_withheld_where_a_side_is_unhealthy() -> None:
