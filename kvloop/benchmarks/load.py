@@ -443,6 +443,10 @@ def validate(args: argparse.Namespace) -> str:
                "at least 1"
     if args.think_ms < 0 or args.trace_length_scale <= 0 or args.trace_slow <= 0 or args.trace_seconds <= 0:
         return "--think-ms at least 0; --trace-length-scale, --trace-slow, --trace-seconds positive"
+    if args.trace and args.trace_block_size != round(mooncake.MOONCAKE_BLOCK * args.trace_length_scale):
+        # AIPerf builds each hash id's block of --trace-block-size tokens and refuses a prompt shorter than its ids.
+        return (f"--trace-block-size: must be {mooncake.MOONCAKE_BLOCK} x --trace-length-scale "
+                f"({round(mooncake.MOONCAKE_BLOCK * args.trace_length_scale)}), so that a hash id stays one block")
     return ""
 
 

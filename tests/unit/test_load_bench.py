@@ -121,6 +121,7 @@ def test_ratios_against_the_aggregated_engine_are_withheld_where_a_side_is_unhea
     (["--configs", "kvloop,nope"], "--configs"), (["--loads", "8,4"], "--loads"), (["--loads", "x"], "--loads"),
     (["--loads", "1.5"], "--loads"), (["--ttft-slo-ms", "0"], "--ttft-slo-ms"), (["--turns", "0"], "--turns"),
     (["--trace", "/no/such/file"], "--trace"), (["--prefill-engines", "0"], "--prefill-engines"),
+    (["--trace", __file__, "--trace-length-scale", "0.125"], "--trace-block-size"),  # 128 where 64 fits
 ])
 def test_bad_arguments_are_named(argv: list[str], field: str) -> None:
     parser = argparse.ArgumentParser()
