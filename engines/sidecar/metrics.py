@@ -39,6 +39,10 @@ class SidecarMetrics:
         self.freed_while_pinned = Counter("kvloop_sidecar_freed_while_pinned_total", "leases whose blocks the engine "
                                           "freed on its own while the broker had them pinned (must stay 0)",
                                           registry=r)
+        self.unknown_released_pinned = Counter(
+            "kvloop_sidecar_unknown_released_while_pinned_total", "leases the broker offered that this sidecar did "
+            "not know (a restart, a lost reply), released while a reader had them pinned: the engine still holds "
+            "their blocks, released at the broker when the pin ends", registry=r)
         self.engine_responsive = Gauge("kvloop_sidecar_engine_responsive", "1 while the engine answers its /health "
                                        "(0: keep-alives withheld, see engine_unresponsive_s)", registry=r)
         self.engine_responsive.set(1)

@@ -189,7 +189,7 @@ class Sidecar(engine_link_pb2_grpc.EngineLinkServicer):
                 # The broker offers a lease this engine does not hold (its publication's reply, or the command
                 # that freed it, was lost in a fail-over): it must stop offering those blocks.
                 log.warning("lease.unknown_to_engine", lease=lease_id)
-                self._spawn(self._release_at_broker(lease_id))
+                self._spawn(self._release_at_broker(lease_id, known=False))
             self._set_registered(True)
             if self.books.held:
                 # The broker offers these again from now (a new leader waits for this): hold them from now too.
@@ -405,10 +405,17 @@ class Sidecar(engine_link_pb2_grpc.EngineLinkServicer):
         self.metrics.released.labels("hold_expired").inc()
         self._spawn(self._release_at_broker(lease))
 
-    async def _release_at_broker(self, lease_id: str) -> None:
+    async def _release_at_broker(self, lease_id: str, *, known: bool = True) -> None:
         try:
             reply = await self.broker.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=lease_id))
-            if reply.deferred:
+            if reply.deferred and not known:
+                # A lease this sidecar never held (it restarted, or a publication's reply was lost) that a reader
+                # pinned meanwhile. Its blocks were not freed: the engine frees a lease's blocks only when a sidecar
+                # that knows the lease says so, or when its own hold runs out, and the hold outlasts the broker's
+                # engine TTL, after which the broker offers none of the engine's leases. The pin ends the lease.
+                self.metrics.unknown_released_pinned.inc()
+                log.warning("lease.unknown_released_while_pinned", lease=lease_id, engine=self.config.engine_id)
+            elif reply.deferred:
                 # The engine has already freed these blocks (its hold ran out) while a reader held a pin on them:
                 # the reader may get another request's KV. Must never happen (kvloop bench chaos counts these).
                 self.metrics.freed_while_pinned.inc()

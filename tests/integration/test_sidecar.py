@@ -25,7 +25,7 @@ from kvloop.shared.hashing import ExtraKeys, block_keys
 from kvloop.v1 import broker_pb2 as pb
 from kvloop.v1 import engine_link_pb2 as lpb
 from tests.integration.conftest import ModuleBrokerFactory
-from tests.integration.helpers import Broker, poll, publish_request
+from tests.integration.helpers import Broker, engine, lease_by_id, poll, publish_request
 from tests.support.sidecar_fakes import FP, FakeConnector, hello, retained, running_sidecar
 
 pytestmark = pytest.mark.slow
@@ -144,6 +144,53 @@ async def test_books_that_differ_from_the_brokers_are_resynced(tmp_path: Path, b
         await poll(lambda: leases(broker, "books-1"), lambda ls: not ls, timeout_s=15,
                    what="the broker told to drop the lease the engine never held")
         await connector.close()
+
+
+async def test_a_pinned_lease_the_sidecar_never_knew_is_released_without_a_false_alarm(
+        tmp_path: Path, broker_address: str, capfd: pytest.CaptureFixture[str]) -> None:
+    """A restarted sidecar finds leases it never knew, and a reader may have pinned one meanwhile (seen in kvloop
+    bench chaos: a sidecar killed while the broker's leader changed). Its release is deferred to the pin's end;
+    the engine did not free those blocks, so this is not ``lease.freed_while_pinned`` (which fails the chaos run)."""
+    broker = Broker(broker_address)
+    connector = FakeConnector(tmp_path / "s.sock")
+    stop_reader = asyncio.Event()
+
+    async def keep_reader_alive() -> None:
+        while not stop_reader.is_set():
+            await broker.stub.KeepAlive(pb.KeepAliveRequest(engine_id="unknown-reader"), timeout=5)
+            await asyncio.sleep(0.5)
+
+    await broker.stub.RegisterEngine(pb.RegisterEngineRequest(
+        engine=engine("unknown-reader", pb.ENGINE_ROLE_PREFILL, FP)), timeout=5)
+    reader = asyncio.create_task(keep_reader_alive())
+    seen = ""
+    try:
+        async with running_sidecar(tmp_path, broker_address, "unknown-1"):
+            await connector.attach(hello("unknown-1"))
+            await poll(lambda: engine_status(broker, "unknown-1"), lambda s: s is not None, timeout_s=10,
+                       what="registration")
+            # The broker lists a lease this sidecar never published (as a restarted sidecar finds), and a reader
+            # pins it before the sidecar's keep-alives notice and it registers again to resync.
+            reply = await broker.stub.PublishLease(publish_request("unknown-1", list(range(512)), FP,
+                                                                   first_block_id=40), timeout=5)
+            await broker.stub.PinBlocks(pb.PinBlocksRequest(reader_engine_id="unknown-reader",
+                                                            lease_id=reply.lease.lease_id, num_blocks=2,
+                                                            timeout_s=30), timeout=5)
+
+            async def logged() -> str:
+                nonlocal seen
+                seen += capfd.readouterr().out
+                return seen
+
+            await poll(logged, lambda out: "lease.unknown_released_while_pinned" in out, timeout_s=15,
+                       what="the unknown pinned lease released at the broker")
+            lease = lease_by_id(await broker.inspect(), reply.lease.lease_id)
+            assert lease is not None and lease.pending_eviction != pb.EVICTION_REASON_UNSPECIFIED  # ends with its pin
+            assert "lease.freed_while_pinned" not in seen
+            await connector.close()
+    finally:
+        stop_reader.set()
+        await reader
 
 
 def retained_tokens(request_id: str, tokens: list[int], first_block: int) -> lpb.ConnectorEvent:
