@@ -83,8 +83,10 @@ def block_keys(tokens: Sequence[int], block_size: int, extra: ExtraKeys) -> list
     return keys
 
 
-def common_prefix_blocks(a: Sequence[bytes] | Sequence[str], b: Sequence[bytes] | Sequence[str]) -> int:
-    """Length of the longest run of equal keys from the first block (whole keys, or digests of them)."""
+def common_prefix_blocks(a: Sequence[bytes] | Sequence[str] | Sequence[int],
+                         b: Sequence[bytes] | Sequence[str] | Sequence[int]) -> int:
+    """Length of the longest run of equal keys from the first block (whole keys, digests of them, or a trace's
+    hash ids)."""
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:

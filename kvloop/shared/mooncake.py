@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvloop.shared.errors import ConfigError
+from kvloop.shared.hashing import common_prefix_blocks
 
 FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 MOONCAKE_BLOCK = 512
@@ -81,15 +82,6 @@ def scaled(rows: Sequence[TraceRow], *, length_scale: float, time_scale: float, 
             for r in rows if r.timestamp_ms <= seconds * 1000]
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def conversations(rows: Sequence[TraceRow]) -> list[int]:
     """Per row (in the given order, which must be arrival order), the index of the conversation it belongs to:
     the conversation of the latest earlier row it continues (see the module's docstring), else a new one."""
@@ -101,7 +93,7 @@ def conversations(rows: Sequence[TraceRow]) -> list[int]:
         found = None
         for j in reversed(by_first_two.get(ids[:2], [])):
             earlier = rows[j].hash_ids
-            continues = len(ids) >= len(earlier) and common_prefix(earlier, ids) >= max(2, len(earlier) - 1)
+            continues = len(ids) >= len(earlier) and common_prefix_blocks(earlier, ids) >= max(2, len(earlier) - 1)
             if continues and latest[out[j]] == j:
                 found = out[j]
                 break
