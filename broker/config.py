@@ -99,8 +99,9 @@ class BrokerConfig(ServiceConfig):
     decode_local_stall_budget_s: float = setting(_policy("decode_local_stall_budget_s"),
         "DECODE_LOCAL only while the tail's compute time times the decode engine's streams is at most this many "
         "stream-seconds, none queued (the busy veto: a tail never holds up the streams for more)")
-    decode_local_max_running: int = setting(_policy("decode_local_max_running"),
-        "DECODE_LOCAL only while the decode engine runs fewer requests than this (a cap on top of the budget)")
+    decode_local_step_budget_s: float = setting(_policy("decode_local_step_budget_s"),
+        "DECODE_LOCAL only while the part of the tail one engine step computes (a chunk, on an engine that reports "
+        "its step size) takes at most this long: no step of the decode engine's streams is lengthened by more")
     decode_stall_weight: float = setting(_policy("decode_stall_weight"),
         "cost model: DECODE_LOCAL's price per stream-second its tail holds up the decode engine's streams")
     least_loaded_candidates: int = setting(_policy("least_loaded_candidates"),
@@ -165,13 +166,12 @@ class BrokerConfig(ServiceConfig):
         for name in ("threshold_tokens", "transfer_overhead_s", "sticky_load_gap", "shared_prefix_load_gap",
                      "shutdown_grace_s", "pd_hop_s",
                      "queue_penalty_s", "decode_local_max_tokens", "decode_local_stall_budget_s",
-                     "decode_stall_weight"):
+                     "decode_local_step_budget_s", "decode_stall_weight"):
             self._require(getattr(self, name) >= 0, name, "must not be negative")
         self._require(self.host_ttl_s == 0 or self.min_ttl_s <= self.host_ttl_s <= self.max_ttl_s, "host_ttl_s",
                       "must be 0 or lie within min_ttl_s..max_ttl_s")
         self._require(self.demotion_timeout_s > 0, "demotion_timeout_s", "must be positive")
         self._require(0 < self.decode_local_max_share <= 1, "decode_local_max_share", "must be in (0, 1]")
-        self._require(self.decode_local_max_running >= 1, "decode_local_max_running", "must be at least 1")
         self._require(1 <= self.least_loaded_candidates <= 64, "least_loaded_candidates", "must be within 1..64")
         check_files(self, "tls_", server=True)
         if self.auth_secret_file is not None:

@@ -56,6 +56,7 @@ def engine_from_pb(msg: pb.Engine) -> EngineInfo:
         layout_fingerprint=msg.layout_fingerprint, retention_budget_blocks=msg.retention_budget_blocks,
         addresses=addresses_from_pb(msg.addresses), incarnation=msg.incarnation, model=msg.model,
         host_tier_blocks=msg.host_tier_blocks, host_tier_first_id=msg.host_tier_first_id,
+        step_tokens=msg.step_tokens,
     )
 
 
@@ -65,6 +66,7 @@ def engine_to_pb(info: EngineInfo) -> pb.Engine:
         block_size=info.block_size, layout_fingerprint=info.layout_fingerprint,
         retention_budget_blocks=info.retention_budget_blocks, incarnation=info.incarnation, model=info.model,
         host_tier_blocks=info.host_tier_blocks, host_tier_first_id=info.host_tier_first_id,
+        step_tokens=info.step_tokens,
     )
 
 

@@ -56,7 +56,14 @@ MANAGED_VLLM_FLAGS = {
     "--block-size": "block_size", "--max-model-len": "max_model_len", "--enforce-eager": "enforce_eager",
     "--no-enforce-eager": "enforce_eager", "--uds": "host/port",
     "--kv-events-config": "kv_events / kv_events_endpoint / kv_events_replay_endpoint",
+    "--max-num-batched-tokens": "step_tokens",
 }
+DECODE_STEP_TOKENS = 256
+"""A decode engine's step size unless configured: a DECODE_LOCAL tail chunked to what the streams leave of 256 tokens
+lengthens a step by ~10 ms of the tiny model on one core here (vLLM's CPU default, 2048, ~80 ms); placement's
+``decode_local_step_budget_s`` (20 ms) is the budget it serves (docs/architecture.md)."""
+MIN_STEP_TOKENS = 128
+"""vLLM requires a step to hold at least ``max_num_seqs`` tokens, 128 on the CPU build's OpenAI server."""
 ZMQ_SCHEMES = ("ipc://", "tcp://")
 KV_EVENTS_BUFFER_STEPS = 10_000
 """Engine steps' events the publisher keeps for its replay endpoint (vLLM's default): a sidecar that joins late or
@@ -158,6 +165,11 @@ class EngineConfig(ServiceConfig):
     host_tier_blocks: int = setting(0, "decode, kvloop connector: KV blocks kept back from vLLM's pool as a host "
                                        "tier that evictions demote into (0 = none); on the CPU build they are "
                                        "part of the KV cache's allocation, so vLLM schedules the rest")
+    step_tokens: int | None = setting(None, "the most tokens one engine step computes, decodes and prompt chunks "
+                                            "together (vLLM's --max-num-batched-tokens; default: 256 for a decode "
+                                            "engine, vLLM's own otherwise, 2048 on the CPU build; 0 = vLLM's): on a "
+                                            "decode engine it bounds how long a DECODE_LOCAL tail holds up a step "
+                                            "of its streams, as chunked prefill splits the tail over steps")
     hold_s: float = setting(DEFAULT_HOLD_S, "decode: engine-side safety hold of retained blocks, renewed by the "
                                             "sidecar while their lease lives; above the broker's engine TTL")
     broker_tls_ca: Path | None = setting(None, "sidecar: PEM CA that signed the broker's certificate (TLS to the "
@@ -226,6 +238,8 @@ class EngineConfig(ServiceConfig):
         self._require(self.host_tier_blocks >= 0, "host_tier_blocks", "must be 0 (none) or more")
         self._require(self.host_tier_blocks == 0 or (self.connector == "kvloop" and self.role != "prefill"),
                       "host_tier_blocks", "needs the kvloop connector on an engine that retains (decode or both)")
+        self._require(not self.step_tokens or self.step_tokens >= MIN_STEP_TOKENS, "step_tokens",
+                      f"must be 0 (vLLM's default) or at least {MIN_STEP_TOKENS} (vLLM's max_num_seqs)")
         self._require(self.ipc_spin_s >= 0, "ipc_spin_s", "must be 0 or more (seconds)")
         for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
             value = getattr(self, name)
@@ -273,6 +287,12 @@ class EngineConfig(ServiceConfig):
                 raise ConfigError(f"extra_vllm_args: {flag} is set by the launcher; use {MANAGED_VLLM_FLAGS[flag]} "
                                   f"(got {self.extra_vllm_args!r})", field="extra_vllm_args")
         return args
+
+    def resolved_step_tokens(self) -> int:
+        """``--max-num-batched-tokens`` for the engine; 0: vLLM's default."""
+        if self.step_tokens is not None:
+            return self.step_tokens
+        return DECODE_STEP_TOKENS if self.role == "decode" else 0
 
     def broker_addresses(self) -> list[str]:
         return [a.strip() for a in self.broker.split(",") if a.strip()]

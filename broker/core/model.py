@@ -76,6 +76,10 @@ class EngineInfo:
     host_tier_first_id: int = 0
     """The id of the tier's first slot; its slots are ``host_tier_first_id .. + host_tier_blocks - 1``. kvloop's
     connector lays the tier after the pool in the same NIXL registration, so this is the pool's block count."""
+    step_tokens: int = 0
+    """The most tokens one engine step computes, its streams' decode tokens and prompt chunks together (vLLM's
+    ``max_num_batched_tokens``, chunked prefill): a DECODE_LOCAL tail runs in chunks of what its streams leave of
+    it. 0: not reported (the tail then runs in one step)."""
 
     def same_layout(self, other: EngineInfo) -> bool:
         return (self.block_size, self.layout_fingerprint) == (other.block_size, other.layout_fingerprint)

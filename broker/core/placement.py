@@ -8,7 +8,10 @@ reported figures. One cost model prices every possible path in estimated seconds
   is short (``decode_local_max_tokens``), a small share of the prompt (``decode_local_max_share``) and its
   stall of the decode engine's streams is within budget: the tail's compute time, times the streams it holds
   up, at most ``decode_local_stall_budget_s`` (the busy veto), and none queued. Inside the budget the stall is
-  still priced: ``decode_stall_weight`` per stream-second. ``decode_local=False`` gives strict P/D. A decode engine
+  still priced: ``decode_stall_weight`` per stream-second. The engine's step size (``EngineInfo.step_tokens``,
+  vLLM's chunked prefill) splits the tail over steps, each carrying what the streams' decodes leave of it: no
+  room left is the ``step_full`` veto, and a chunk whose compute alone would lengthen one step of every stream
+  past ``decode_local_step_budget_s`` the ``step_budget`` veto. ``decode_local=False`` gives strict P/D. A decode engine
   of role both computes any prompt it is to decode this way (a prefill request to itself would be a second
   request and a hop on the same streams); a vetoed one goes to another prefill engine, or stays when none can.
 - **PREFILL_LOCAL**: a prefill engine's own cache (a lease or its prefix cache) holds the prefix: the P/D hop
@@ -68,8 +71,11 @@ class PlacementPolicy:
     decode_local_stall_budget_s: float = 0.5
     """... and the tail's compute time on the decode engine, times the streams it is decoding, is at most this
     many stream-seconds, with none queued (the busy veto)."""
-    decode_local_max_running: int = 64
-    """... and the decode engine runs fewer requests than this (a cap on top of the budget)."""
+    decode_local_step_budget_s: float = 0.02
+    """... and the part of the tail one engine step computes (all of it, or a chunk where the engine reports its
+    step size) takes at most this long at its rate: no step of its streams is lengthened by more. The decode
+    engines ``kvloop up`` starts take steps of ``DECODE_STEP_TOKENS`` (256, ~10 ms of the tiny model on one core);
+    with vLLM's default step (2048 tokens on the CPU build) the budget vetoes tails over ~500 tokens."""
     decode_stall_weight: float = 0.25
     """DECODE_LOCAL's price per stream-second its tail holds up the decode engine's streams (0: its own time
     alone). Weight 1 (every stream's delay as much as the turn's own) measured worse: at 8 sessions it sent a
@@ -92,6 +98,12 @@ class PlaceInput:
     session_id: str = ""
     decode_local: bool = True
     """False: the caller wants strict disaggregation for this request."""
+
+
+def step_room(step_tokens: int, streams: int, tail: int) -> int:
+    """Tokens of a tail one engine step computes: vLLM schedules its running streams' decode tokens first and
+    chunks a prompt into what is left of the step (``step_tokens`` 0: not reported, the whole tail at once)."""
+    return min(tail, step_tokens - streams) if step_tokens else tail
 
 
 def _least_loaded(engines: Iterable[EngineRecord]) -> EngineRecord | None:
@@ -249,6 +261,7 @@ def place(
         d_load = decode.load
         tail_s = tail / _tps(decode, policy, fleet)[0]
         streams = d_load.running_requests
+        chunk = step_room(decode.info.step_tokens, streams, tail)
         blocked: Veto | str = ""
         if not (policy.decode_local and request.decode_local):
             blocked = Veto.DISABLED
@@ -256,9 +269,12 @@ def place(
             blocked = Veto.TAIL_TOKENS
         elif tail > policy.decode_local_max_share * request.num_tokens:
             blocked = Veto.TAIL_SHARE
-        elif (d_load.waiting_requests > 0 or streams >= policy.decode_local_max_running
-              or streams * tail_s > policy.decode_local_stall_budget_s):
+        elif d_load.waiting_requests > 0 or streams * tail_s > policy.decode_local_stall_budget_s:
             blocked = Veto.DECODE_BUSY
+        elif chunk <= 0:
+            blocked = Veto.STEP_FULL
+        elif chunk / tail * tail_s > policy.decode_local_step_budget_s:
+            blocked = Veto.STEP_BUDGET
         # A vetoed prompt goes to another prefill engine; where none can take it, the decode engine (role both)
         # computes it anyway, in one request (a prefill request to it would stall the same streams).
         forced = bool(blocked) and self_serve and not options

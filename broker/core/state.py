@@ -58,6 +58,7 @@ class Limits:
     max_prefill_tokens_per_s: float = 1e8
     max_transfer_bytes_per_s: float = 1e13
     max_host_tier_blocks: int = 1 << 26
+    max_step_tokens: int = 1 << 24
     host_ttl_s: float = 0.0
     """Retention TTL of a lease once demoted to a host tier (0: the lease's own TTL)."""
     demotion_timeout_s: float = 30.0
@@ -130,6 +131,9 @@ def check_engine_info(info: EngineInfo, lim: Limits) -> None:
                               field="engine.host_tier_blocks")
     if not 0 <= info.host_tier_first_id < 1 << 40:
         raise InvalidArgument("engine.host_tier_first_id: must be within 0..2^40-1", field="engine.host_tier_first_id")
+    if not 0 <= info.step_tokens <= lim.max_step_tokens:
+        raise InvalidArgument(f"engine.step_tokens: must be within 0..{lim.max_step_tokens}",
+                              field="engine.step_tokens")
     _check_address(info.addresses.grpc, "engine.addresses.grpc", HOST_PORT, "host:port")
     _check_address(info.addresses.nixl, "engine.addresses.nixl", HOST_PORT, "host:port")
     _check_address(info.addresses.http, "engine.addresses.http", HTTP_URL, "an http(s)://host[:port] URL")

@@ -15,7 +15,7 @@ def encode_engine(rec: EngineRecord) -> bytes:
         "layout_fingerprint": info.layout_fingerprint, "retention_budget_blocks": info.retention_budget_blocks,
         "addresses": [info.addresses.grpc, info.addresses.http, info.addresses.nixl],
         "incarnation": info.incarnation, "model": info.model, "host_tier_blocks": info.host_tier_blocks,
-        "host_tier_first_id": info.host_tier_first_id,
+        "host_tier_first_id": info.host_tier_first_id, "step_tokens": info.step_tokens,
         "registered_at": rec.registered_at,
         "last_seen": rec.last_seen,
         "eviction_seq": rec.eviction_seq, "learned_bandwidth": rec.learned_bandwidth,
@@ -30,6 +30,7 @@ def decode_engine(raw: bytes) -> EngineRecord:
         layout_fingerprint=d["layout_fingerprint"], retention_budget_blocks=d["retention_budget_blocks"],
         addresses=Addresses(*d["addresses"]), incarnation=d["incarnation"], model=d.get("model", ""),
         host_tier_blocks=d.get("host_tier_blocks", 0), host_tier_first_id=d.get("host_tier_first_id", 0),
+        step_tokens=d.get("step_tokens", 0),
     )
     return EngineRecord(info=info, registered_at=d["registered_at"], last_seen=d["last_seen"],
                         load=EngineLoad(**d["load"]), eviction_seq=d["eviction_seq"],

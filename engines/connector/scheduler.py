@@ -94,6 +94,9 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
         self.host_tier_blocks = settings.kvloop_host_tier_blocks if self.retain else 0
         self.pool_blocks, self.host_tier_first_id = split_tier(int(kv_cache_config.num_blocks), self.host_tier_blocks)
         kv_cache_config.num_blocks = self.pool_blocks
+        # The engine's step size as vLLM resolved it (its default, or the launcher's --max-num-batched-tokens): what
+        # placement needs to tell how a short tail on this engine is chunked among its streams' decodes.
+        self.step_tokens = int(getattr(vllm_config.scheduler_config, "max_num_batched_tokens", 0) or 0)
         self._copies: list[tuple[int, int]] = []
         """Demotion copies for the next step's connector metadata."""
         self._demoting: set[str] = set()
@@ -118,7 +121,8 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
         hello = lpb.ConnectorHello(engine_id=self.engine_id, incarnation=uuid.uuid4().hex, block_size=self.block_size,
                                    num_blocks=self.pool_blocks, bytes_per_block=self.bytes_per_block,
                                    kv_role_decode=self.retain, host_tier_blocks=self.host_tier_blocks,
-                                   host_tier_first_id=self.host_tier_first_id if self.host_tier_blocks else 0)
+                                   host_tier_first_id=self.host_tier_first_id if self.host_tier_blocks else 0,
+                                   step_tokens=self.step_tokens)
         self._link = EngineLinkClient(socket_path, hello, wake)
         self._link.start(resend=self._retained_events)
         logger.info("kvloop connector %s: engine link on %s, retain=%s, hold %.0fs, host tier %d blocks from id %d",

@@ -168,7 +168,7 @@ class Sidecar(engine_link_pb2_grpc.EngineLinkServicer):
                          retention_budget_blocks=budget if self.hello.kv_role_decode else 0,
                          incarnation=self.hello.incarnation, model=self.config.served_model,
                          host_tier_blocks=self.hello.host_tier_blocks if self.hello.kv_role_decode else 0,
-                         host_tier_first_id=self.hello.host_tier_first_id)
+                         host_tier_first_id=self.hello.host_tier_first_id, step_tokens=self.hello.step_tokens)
 
     async def _register_forever(self) -> None:
         """Register (retrying with back-off), then keep alive and follow evictions until cancelled."""

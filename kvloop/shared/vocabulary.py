@@ -50,6 +50,10 @@ class Veto(StrEnum):
     TAIL_TOKENS = "tail_tokens"
     TAIL_SHARE = "tail_share"
     DECODE_BUSY = "decode_busy"
+    STEP_FULL = "step_full"
+    """The decode engine's streams fill its whole step (``EngineInfo.step_tokens``): no room for a tail's chunk."""
+    STEP_BUDGET = "step_budget"
+    """The tail's chunk would lengthen a step of every stream past ``decode_local_step_budget_s``."""
     COSTLIER = "costlier"
 
 

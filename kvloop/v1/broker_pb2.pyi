@@ -70,7 +70,7 @@ class EngineAddresses(_message.Message):
     def __init__(self, grpc: _Optional[str] = ..., http: _Optional[str] = ..., nixl: _Optional[str] = ...) -> None: ...
 
 class Engine(_message.Message):
-    __slots__ = ("engine_id", "role", "addresses", "block_size", "layout_fingerprint", "retention_budget_blocks", "incarnation", "model", "host_tier_blocks", "host_tier_first_id")
+    __slots__ = ("engine_id", "role", "addresses", "block_size", "layout_fingerprint", "retention_budget_blocks", "incarnation", "model", "host_tier_blocks", "host_tier_first_id", "step_tokens")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESSES_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class Engine(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     HOST_TIER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     HOST_TIER_FIRST_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     role: EngineRole
     addresses: EngineAddresses
@@ -91,7 +92,8 @@ class Engine(_message.Message):
     model: str
     host_tier_blocks: int
     host_tier_first_id: int
-    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[_Union[EngineRole, str]] = ..., addresses: _Optional[_Union[EngineAddresses, _Mapping]] = ..., block_size: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., retention_budget_blocks: _Optional[int] = ..., incarnation: _Optional[str] = ..., model: _Optional[str] = ..., host_tier_blocks: _Optional[int] = ..., host_tier_first_id: _Optional[int] = ...) -> None: ...
+    step_tokens: int
+    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[_Union[EngineRole, str]] = ..., addresses: _Optional[_Union[EngineAddresses, _Mapping]] = ..., block_size: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., retention_budget_blocks: _Optional[int] = ..., incarnation: _Optional[str] = ..., model: _Optional[str] = ..., host_tier_blocks: _Optional[int] = ..., host_tier_first_id: _Optional[int] = ..., step_tokens: _Optional[int] = ...) -> None: ...
 
 class EngineLoad(_message.Message):
     __slots__ = ("running_requests", "waiting_requests", "kv_usage", "memory_pressure", "pressure_free_blocks", "prefill_tokens_per_s", "transfer_bytes_per_s", "bytes_per_block")

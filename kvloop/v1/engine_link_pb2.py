@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvloop/v1/engine_link.proto\x12\tkvloop.v1\"\xc7\x01\n\x0e\x43onnectorHello\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\x04\x12\x17\n\x0f\x62ytes_per_block\x18\x05 \x01(\x04\x12\x16\n\x0ekv_role_decode\x18\x06 \x01(\x08\x12\x18\n\x10host_tier_blocks\x18\x07 \x01(\x04\x12\x1a\n\x12host_tier_first_id\x18\x08 \x01(\x04\"h\n\x08Retained\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x11\n\tblock_ids\x18\x03 \x03(\x03\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x0e\n\x06hold_s\x18\x05 \x01(\x01\"(\n\x05\x46reed\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03why\x18\x02 \x01(\t\")\n\x07\x44\x65moted\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\"\x9f\x01\n\x0bPrefillDone\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0f\x63omputed_tokens\x18\x02 \x01(\x04\x12\x11\n\tcompute_s\x18\x03 \x01(\x01\x12\x15\n\rpulled_blocks\x18\x04 \x01(\r\x12\x14\n\x0cpulled_bytes\x18\x05 \x01(\x04\x12\x0e\n\x06pull_s\x18\x06 \x01(\x01\x12\x13\n\x0bpull_failed\x18\x07 \x01(\x08\"\xe8\x01\n\x0e\x43onnectorEvent\x12*\n\x05hello\x18\x01 \x01(\x0b\x32\x19.kvloop.v1.ConnectorHelloH\x00\x12\'\n\x08retained\x18\x02 \x01(\x0b\x32\x13.kvloop.v1.RetainedH\x00\x12!\n\x05\x66reed\x18\x03 \x01(\x0b\x32\x10.kvloop.v1.FreedH\x00\x12.\n\x0cprefill_done\x18\x04 \x01(\x0b\x32\x16.kvloop.v1.PrefillDoneH\x00\x12%\n\x07\x64\x65moted\x18\x05 \x01(\x0b\x32\x12.kvloop.v1.DemotedH\x00\x42\x07\n\x05\x65vent\"~\n\x10\x43onnectorCommand\x12\x1b\n\x13release_request_ids\x18\x01 \x03(\t\x12\x18\n\x10hold_request_ids\x18\x02 \x03(\t\x12\x0e\n\x06hold_s\x18\x03 \x01(\x01\x12#\n\x06\x64\x65mote\x18\x04 \x03(\x0b\x32\x13.kvloop.v1.Demotion\"4\n\x08\x44\x65motion\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0cto_block_ids\x18\x02 \x03(\x03\x32R\n\nEngineLink\x12\x44\n\x06\x41ttach\x12\x19.kvloop.v1.ConnectorEvent\x1a\x1b.kvloop.v1.ConnectorCommand(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvloop/v1/engine_link.proto\x12\tkvloop.v1\"\xdc\x01\n\x0e\x43onnectorHello\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\x04\x12\x17\n\x0f\x62ytes_per_block\x18\x05 \x01(\x04\x12\x16\n\x0ekv_role_decode\x18\x06 \x01(\x08\x12\x18\n\x10host_tier_blocks\x18\x07 \x01(\x04\x12\x1a\n\x12host_tier_first_id\x18\x08 \x01(\x04\x12\x13\n\x0bstep_tokens\x18\t \x01(\r\"h\n\x08Retained\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x11\n\tblock_ids\x18\x03 \x03(\x03\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x0e\n\x06hold_s\x18\x05 \x01(\x01\"(\n\x05\x46reed\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03why\x18\x02 \x01(\t\")\n\x07\x44\x65moted\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\"\x9f\x01\n\x0bPrefillDone\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0f\x63omputed_tokens\x18\x02 \x01(\x04\x12\x11\n\tcompute_s\x18\x03 \x01(\x01\x12\x15\n\rpulled_blocks\x18\x04 \x01(\r\x12\x14\n\x0cpulled_bytes\x18\x05 \x01(\x04\x12\x0e\n\x06pull_s\x18\x06 \x01(\x01\x12\x13\n\x0bpull_failed\x18\x07 \x01(\x08\"\xe8\x01\n\x0e\x43onnectorEvent\x12*\n\x05hello\x18\x01 \x01(\x0b\x32\x19.kvloop.v1.ConnectorHelloH\x00\x12\'\n\x08retained\x18\x02 \x01(\x0b\x32\x13.kvloop.v1.RetainedH\x00\x12!\n\x05\x66reed\x18\x03 \x01(\x0b\x32\x10.kvloop.v1.FreedH\x00\x12.\n\x0cprefill_done\x18\x04 \x01(\x0b\x32\x16.kvloop.v1.PrefillDoneH\x00\x12%\n\x07\x64\x65moted\x18\x05 \x01(\x0b\x32\x12.kvloop.v1.DemotedH\x00\x42\x07\n\x05\x65vent\"~\n\x10\x43onnectorCommand\x12\x1b\n\x13release_request_ids\x18\x01 \x03(\t\x12\x18\n\x10hold_request_ids\x18\x02 \x03(\t\x12\x0e\n\x06hold_s\x18\x03 \x01(\x01\x12#\n\x06\x64\x65mote\x18\x04 \x03(\x0b\x32\x13.kvloop.v1.Demotion\"4\n\x08\x44\x65motion\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0cto_block_ids\x18\x02 \x03(\x03\x32R\n\nEngineLink\x12\x44\n\x06\x41ttach\x12\x19.kvloop.v1.ConnectorEvent\x1a\x1b.kvloop.v1.ConnectorCommand(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,21 +32,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvloop.v1.engine_link_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CONNECTORHELLO']._serialized_start=43
-  _globals['_CONNECTORHELLO']._serialized_end=242
-  _globals['_RETAINED']._serialized_start=244
-  _globals['_RETAINED']._serialized_end=348
-  _globals['_FREED']._serialized_start=350
-  _globals['_FREED']._serialized_end=390
-  _globals['_DEMOTED']._serialized_start=392
-  _globals['_DEMOTED']._serialized_end=433
-  _globals['_PREFILLDONE']._serialized_start=436
-  _globals['_PREFILLDONE']._serialized_end=595
-  _globals['_CONNECTOREVENT']._serialized_start=598
-  _globals['_CONNECTOREVENT']._serialized_end=830
-  _globals['_CONNECTORCOMMAND']._serialized_start=832
-  _globals['_CONNECTORCOMMAND']._serialized_end=958
-  _globals['_DEMOTION']._serialized_start=960
-  _globals['_DEMOTION']._serialized_end=1012
-  _globals['_ENGINELINK']._serialized_start=1014
-  _globals['_ENGINELINK']._serialized_end=1096
+  _globals['_CONNECTORHELLO']._serialized_end=263
+  _globals['_RETAINED']._serialized_start=265
+  _globals['_RETAINED']._serialized_end=369
+  _globals['_FREED']._serialized_start=371
+  _globals['_FREED']._serialized_end=411
+  _globals['_DEMOTED']._serialized_start=413
+  _globals['_DEMOTED']._serialized_end=454
+  _globals['_PREFILLDONE']._serialized_start=457
+  _globals['_PREFILLDONE']._serialized_end=616
+  _globals['_CONNECTOREVENT']._serialized_start=619
+  _globals['_CONNECTOREVENT']._serialized_end=851
+  _globals['_CONNECTORCOMMAND']._serialized_start=853
+  _globals['_CONNECTORCOMMAND']._serialized_end=979
+  _globals['_DEMOTION']._serialized_start=981
+  _globals['_DEMOTION']._serialized_end=1033
+  _globals['_ENGINELINK']._serialized_start=1035
+  _globals['_ENGINELINK']._serialized_end=1117
 # @@protoc_insertion_point(module_scope)

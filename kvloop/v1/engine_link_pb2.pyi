@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ConnectorHello(_message.Message):
-    __slots__ = ("engine_id", "incarnation", "block_size", "num_blocks", "bytes_per_block", "kv_role_decode", "host_tier_blocks", "host_tier_first_id")
+    __slots__ = ("engine_id", "incarnation", "block_size", "num_blocks", "bytes_per_block", "kv_role_decode", "host_tier_blocks", "host_tier_first_id", "step_tokens")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class ConnectorHello(_message.Message):
     KV_ROLE_DECODE_FIELD_NUMBER: _ClassVar[int]
     HOST_TIER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     HOST_TIER_FIRST_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     incarnation: str
     block_size: int
@@ -24,7 +25,8 @@ class ConnectorHello(_message.Message):
     kv_role_decode: bool
     host_tier_blocks: int
     host_tier_first_id: int
-    def __init__(self, engine_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., kv_role_decode: _Optional[bool] = ..., host_tier_blocks: _Optional[int] = ..., host_tier_first_id: _Optional[int] = ...) -> None: ...
+    step_tokens: int
+    def __init__(self, engine_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., kv_role_decode: _Optional[bool] = ..., host_tier_blocks: _Optional[int] = ..., host_tier_first_id: _Optional[int] = ..., step_tokens: _Optional[int] = ...) -> None: ...
 
 class Retained(_message.Message):
     __slots__ = ("request_id", "token_ids", "block_ids", "session_id", "hold_s")

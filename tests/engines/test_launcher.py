@@ -200,6 +200,8 @@ def _config(tmp_path: Path, **overrides: Any) -> EngineConfig:
     ("kv_events_endpoint", "http://127.0.0.1:5557"),
     ("kv_events_replay_endpoint", "127.0.0.1:5558"),
     ("extra_vllm_args", "--kv-events-config '{}'"),
+    ("extra_vllm_args", "--max-num-batched-tokens 512"),
+    ("step_tokens", 64),
 ])
 def test_bad_config_fails_naming_the_field_before_any_process(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, field: str, value: Any) -> None:
@@ -255,6 +257,7 @@ def test_command_and_environment(tmp_path: Path) -> None:
     assert kv["kv_connector_extra_config"] == {"kv_lease_duration": 60}
     assert "kv_connector_module_path" not in kv
     assert argv[-2:] == ["--max-num-seqs", "4"]
+    assert flags["--max-num-batched-tokens"] == "256"  # a decode engine's step: DECODE_STEP_TOKENS
     if is_cpu_build():
         assert flags["--block-size"] == "128" and "--enforce-eager" in argv and kv["kv_buffer_device"] == "cpu"
         assert plan.env["TORCH_COMPILE_DISABLE"] == "1"  # eager: not even vLLM's small Inductor helpers
@@ -297,6 +300,17 @@ def test_command_and_environment(tmp_path: Path) -> None:
     assert SidecarConfig.load({}, env=side).engine_id == with_broker.engine_id
     assert build_env(config, work_dir=work, run_dir=work / "run" / "x", nixl_port=1,
                      base={"UCX_TLS": "tcp"})["UCX_TLS"] == "tcp"  # an operator's choice is kept
+
+
+@pytest.mark.parametrize(("role", "step_tokens", "flag"), [
+    ("decode", None, "256"), ("decode", 1024, "1024"), ("decode", 0, None), ("prefill", None, None),
+    ("both", None, None), ("prefill", 512, "512"),
+])
+def test_the_step_size_is_a_decode_engines_own_unless_configured(
+        tmp_path: Path, role: str, step_tokens: int | None, flag: str | None) -> None:
+    argv = plan_engine(_config(tmp_path, role=role, step_tokens=step_tokens)).argv
+    assert dict(itertools.pairwise(argv)).get("--max-num-batched-tokens") == flag
+    assert argv.count("--max-num-batched-tokens") == (flag is not None)
 
 
 def test_kv_cache_events_for_the_sidecar(tmp_path: Path) -> None:

@@ -201,6 +201,7 @@ CASES: list[tuple[str, str, Any, grpc.StatusCode, str]] = [
      "engine.block_size"),
     ("register-huge-budget", "RegisterEngine", register("new", retention_budget_blocks=2**63), INVALID,
      "engine.retention_budget_blocks"),
+    ("register-huge-step", "RegisterEngine", register("new", step_tokens=2**32 - 1), INVALID, "engine.step_tokens"),
     ("register-odd-fingerprint", "RegisterEngine", register("new", fp="made up; DROP"), INVALID,
      "engine.layout_fingerprint"),
     ("register-bad-grpc-address", "RegisterEngine",

@@ -205,13 +205,15 @@ async def test_a_budget_eviction_is_copied_to_the_host_tier_and_reported(tmp_pat
     broker = Broker(broker_address)
     connector = FakeConnector(tmp_path / "s.sock")
     tiered = lpb.ConnectorHello(engine_id="tier-1", incarnation="inc-tier", block_size=128, num_blocks=100,
-                                bytes_per_block=4096, kv_role_decode=True, host_tier_blocks=4, host_tier_first_id=100)
+                                bytes_per_block=4096, kv_role_decode=True, host_tier_blocks=4, host_tier_first_id=100,
+                                step_tokens=256)
     try:
         async with running_sidecar(tmp_path, broker_address, "tier-1", retention_fraction=0.02):  # 2 pool blocks
             await connector.attach(tiered)
             status = await poll(lambda: engine_status(broker, "tier-1"), lambda s: s is not None, timeout_s=10,
                                 what="engine registered")
             assert status is not None and (status.engine.host_tier_blocks, status.engine.host_tier_first_id) == (4, 100)
+            assert status.engine.step_tokens == 256  # the engine's step size, relayed for placement
             connector.events.put_nowait(retained_tokens("req-1", list(range(256)), 0))
             (first,) = await poll(lambda: leases(broker, "tier-1"), lambda ls: len(ls) == 1, timeout_s=10,
                                   what="the first lease")

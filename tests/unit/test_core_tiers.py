@@ -3,6 +3,7 @@ never move, and a fake engine that applies every command agrees with the broker'
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import Counter
 from collections.abc import Callable
@@ -247,6 +248,9 @@ def test_the_store_keeps_a_demoted_lease_and_the_engines_tier() -> None:
     assert (back.tier, back.block_ids) == (Tier.HOST, (50, 51)) and back.demoting_until == lease.demoting_until > 0
     assert codec.decode_engine(codec.encode_engine(state.engines["d"])).info.host_tier_blocks == 4
     assert codec.decode_engine(codec.encode_engine(state.engines["d"])).info.host_tier_first_id == FIRST
+    record = state.engines["d"]
+    stepped = dataclasses.replace(record, info=dataclasses.replace(record.info, step_tokens=256))
+    assert codec.decode_engine(codec.encode_engine(stepped)).info.step_tokens == 256
     restored = BrokerState(LruPolicy(), limits=Limits(engine_ttl_s=1e4), new_id=ids())
     restored.load(list(state.engines.values()), [back, *(x for x in state.leases.values() if x is not lease)], [])
     assert restored.host_blocks("d") == 2 and restored.retained_blocks("d") == 2
