@@ -102,6 +102,9 @@ class BrokerConfig(ServiceConfig):
     decode_local_step_budget_s: float = setting(_policy("decode_local_step_budget_s"),
         "DECODE_LOCAL only while the part of the tail one engine step computes (a chunk, on an engine that reports "
         "its step size) takes at most this long: no step of the decode engine's streams is lengthened by more")
+    prefill_relief: bool = setting(_policy("prefill_relief"),
+        "let a decode engine compute a prompt of any length (or one it holds nothing of) when every other prefill "
+        "engine's counted queue alone outlasts its compute there; the stall and step vetoes still apply")
     decode_stall_weight: float = setting(_policy("decode_stall_weight"),
         "cost model: DECODE_LOCAL's price per stream-second its tail holds up the decode engine's streams")
     least_loaded_candidates: int = setting(_policy("least_loaded_candidates"),

@@ -71,11 +71,18 @@ class PlacementPolicy:
     decode_local_stall_budget_s: float = 0.5
     """... and the tail's compute time on the decode engine, times the streams it is decoding, is at most this
     many stream-seconds, with none queued (the busy veto)."""
-    decode_local_step_budget_s: float = 0.02
+    decode_local_step_budget_s: float = 0.03
     """... and the part of the tail one engine step computes (all of it, or a chunk where the engine reports its
     step size) takes at most this long at its rate: no step of its streams is lengthened by more. The decode
-    engines ``kvloop up`` starts take steps of ``DECODE_STEP_TOKENS`` (256, ~10 ms of the tiny model on one core);
-    with vLLM's default step (2048 tokens on the CPU build) the budget vetoes tails over ~500 tokens."""
+    engines ``kvloop up`` starts take steps of ``DECODE_STEP_TOKENS`` (256: ~26 ms at the ~9,800 tokens/s the tiny
+    model's prefill engines measure on one core here); with vLLM's default step (2048 tokens on the CPU build) the
+    budget vetoes tails over ~290 tokens."""
+    prefill_relief: bool = True
+    """Let the decode engine compute a prompt of any length, or one it holds nothing of, when every other prefill
+    engine's counted queue alone outlasts its compute there (conditional disaggregation by queue, as Dynamo's
+    router sends a prefill remote only while the prefill queue has room): the stall and step vetoes still apply.
+    Two prefill engines share one core in ``kvloop up``; on a trace of long, rarely reused prompts they queued
+    while the decode engine's core idled (``kvloop bench load --trace``, docs/benchmarks.md)."""
     decode_stall_weight: float = 0.25
     """DECODE_LOCAL's price per stream-second its tail holds up the decode engine's streams (0: its own time
     alone). Weight 1 (every stream's delay as much as the turn's own) measured worse: at 8 sessions it sent a
@@ -256,18 +263,26 @@ def place(
     stall_s = 0.0
     forced = False
     decode_own = local(decode) if decode.info.role.can_decode else 0
-    if decode_own or self_serve:
-        tail = request.num_tokens - decode_own * bs
+    tail = request.num_tokens - decode_own * bs
+    tail_s = tail / _tps(decode, policy, fleet)[0]
+    # Conditional disaggregation by queue: where every other prefill engine's counted queue alone outlasts the
+    # decode engine's compute of the whole tail, the decode engine may take it whatever its length (the length
+    # vetoes keep long prompts off the streams' engine only while a prefill engine can start them sooner).
+    others = [queue_s(p, flat=False) for p in prefills if p is not decode]
+    relief = (policy.prefill_relief and policy.decode_local and request.decode_local
+              and bool(others) and min(others) > tail_s)
+    lengthy = tail > policy.decode_local_max_tokens or tail > policy.decode_local_max_share * request.num_tokens
+    relieved = False
+    if decode_own or self_serve or relief:
         d_load = decode.load
-        tail_s = tail / _tps(decode, policy, fleet)[0]
         streams = d_load.running_requests
         chunk = step_room(decode.info.step_tokens, streams, tail)
         blocked: Veto | str = ""
         if not (policy.decode_local and request.decode_local):
             blocked = Veto.DISABLED
-        elif tail > policy.decode_local_max_tokens:
+        elif tail > policy.decode_local_max_tokens and not relief:
             blocked = Veto.TAIL_TOKENS
-        elif tail > policy.decode_local_max_share * request.num_tokens:
+        elif tail > policy.decode_local_max_share * request.num_tokens and not relief:
             blocked = Veto.TAIL_SHARE
         elif d_load.waiting_requests > 0 or streams * tail_s > policy.decode_local_stall_budget_s:
             blocked = Veto.DECODE_BUSY
@@ -278,6 +293,7 @@ def place(
         # A vetoed prompt goes to another prefill engine; where none can take it, the decode engine (role both)
         # computes it anyway, in one request (a prefill request to it would stall the same streams).
         forced = bool(blocked) and self_serve and not options
+        relieved = not blocked and (lengthy or not (decode_own or self_serve))
         if not blocked or forced:
             # Its own wait and compute (the decode engine's queued tails: no flat penalty, its running requests
             # are streams, priced as the stall instead), plus what the tail costs the streams it holds up.
@@ -309,8 +325,8 @@ def place(
                         prefill_queue_s=queue_s(best.prefill, flat=best.decision is not Decision.DECODE_LOCAL),
                         decode_stall_s=stall_s)
     reason = {
-        Decision.DECODE_LOCAL: (Reason.DECODE_ENGINE_COMPUTES if forced else Reason.SHORT_TAIL_ON_DECODE)
-        if decode_own else None,
+        Decision.DECODE_LOCAL: Reason.PREFILL_QUEUED if relieved else (
+            Reason.DECODE_ENGINE_COMPUTES if forced else Reason.SHORT_TAIL_ON_DECODE) if decode_own else None,
         Decision.PREFILL_LOCAL: Reason.LOCAL_PREFIX,
         Decision.TRANSFER: Reason.TRANSFER_CHEAPER,
     }.get(best.decision)

@@ -15,7 +15,9 @@ Configurations (``--configs``), on the same engine settings as ``kvloop bench mu
   pull) when that engine is busy: llm-d's recommended setup before P/D, with kvloop's return path;
 - ``kvloop_single``: a fleet of one: the aggregated engine (role ``both``, every core) with kvloop's connector,
   sidecar, broker and router in front: what kvloop's own parts cost a turn, beside the bare engine;
-- ``aggregated``: one engine with its prefix cache on every core: the engine kvloop must match.
+- ``aggregated``: one engine with its prefix cache on every core: the engine kvloop must match;
+- ``aggregated_steps``: the same engine taking the steps kvloop's decode engine takes (``DECODE_STEP_TOKENS``
+  instead of vLLM's default): whether a difference is kvloop's or the step size's.
 
 Workloads: ``agent`` (AIPerf's synthetic multi-turn chat: sessions sharing one system prompt, every turn the
 whole history) swept over concurrent sessions; ``trace`` (a Mooncake-format JSONL, scaled by
@@ -74,13 +76,13 @@ from kvloop.benchmarks.multiturn import (
 )
 from kvloop.benchmarks.stats import STALL_S, health, markdown_table, show
 from kvloop.cluster import LocalCluster
-from kvloop.engine_set import EngineSet
-from kvloop.engines.config import default_work_dir, split_cores
+from kvloop.engine_set import EngineSet, start_engines
+from kvloop.engines.config import DECODE_STEP_TOKENS, default_work_dir, split_cores
 from kvloop.engines.model import ensure_tiny_model
 from kvloop.shared import mooncake
 from kvloop.shared.http import metric_by_label, read_metrics
 
-CONFIGS = ("kvloop", "kvloop_pd", "kvloop_dp", "kvloop_single", "one_way", "aggregated")
+CONFIGS = ("kvloop", "kvloop_pd", "kvloop_dp", "kvloop_single", "one_way", "aggregated", "aggregated_steps")
 BASELINE = "aggregated"
 
 
@@ -128,6 +130,11 @@ async def start(name: str, model: Path, work: Path, size: Sizing, timeout_s: flo
                                            router={"request_timeout_s": timeout_s, "decode_local": False,
                                                    **recording})
         engines = cluster.engines
+    elif name == "aggregated_steps":
+        config = engine_config(model, work, "both", 0, connector="none", broker="", size=size, blocks=None, extra={},
+                               cores="auto")
+        engines = await asyncio.to_thread(start_engines, [replace(config, step_tokens=DECODE_STEP_TOKENS)])
+        return engines, None, engines.by_id("both-0").url
     else:
         engines, maybe = await start_config("ideal" if name == BASELINE else name, model, work, size, timeout_s,
                                             records)
@@ -373,7 +380,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
               "configs": configs, "ratios": compare(configs),
               "markdown": table(configs) + "\n\n" + parts_table(configs), "workload": workload,
               "slo": asdict(args.slo), "loads": loads, "aiperf": aiperf.VERSION, "sizing": size.notes,
-              "engines": {"cores": {**cores_record(size.cores), BASELINE: "auto"}, "one_way_connector": BASELINE_EXTRA},
+              "engines": {"cores": {**cores_record(size.cores), BASELINE: "auto"}, "one_way_connector": BASELINE_EXTRA,
+                          "step_tokens": {"decode engines and aggregated_steps": DECODE_STEP_TOKENS,
+                                          "the others": "vLLM's default"}},
               "machine": {"cpus": len(os.sched_getaffinity(0)), "model": str(model)},
               "wall_seconds": round(time.monotonic() - started, 1)}
     if args.out:

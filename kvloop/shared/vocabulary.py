@@ -28,6 +28,9 @@ class Reason(StrEnum):
     DECODE_ENGINE_COMPUTES = "decode_engine_computes"
     """DECODE_LOCAL on a decode engine of role both although its tail was vetoed: no other prefill engine could take
     it, and a prefill request to the engine that decodes would stall the same streams, plus a hop."""
+    PREFILL_QUEUED = "prefill_queued"
+    """DECODE_LOCAL for a prompt the length vetoes (or holding nothing) would send to a prefill engine: every other
+    prefill engine's queue alone outlasts the decode engine's compute of it (``prefill_relief``)."""
     LOCAL_PREFIX = "local_prefix"
     TRANSFER_CHEAPER = "transfer_cheaper"
     RECOMPUTE_CHEAPER = "recompute_cheaper"

@@ -63,7 +63,7 @@ def test_decode_local_is_vetoed_by_each_knob(tokens: int, lease_blocks: int, loa
 
 
 def test_a_tail_is_chunked_by_the_decode_engines_step_and_vetoed_when_the_step_has_no_room() -> None:
-    """At 10,000 tokens/s a 500-token tail in one step holds every stream up 50 ms, over the 20 ms step budget; in
+    """At 10,000 tokens/s a 500-token tail in one step holds every stream up 50 ms, over the 30 ms step budget; in
     the chunks of a 128-token step, 12.8 ms a step; with 128 streams the step has no room for a chunk at all (the
     stream-seconds budget lifted here, to see the step alone)."""
     def with_step(step_tokens: int, **load: Any) -> list[EngineRecord]:
@@ -190,3 +190,44 @@ def test_recompute_when_only_the_decode_engine_held_the_prefix_and_it_was_vetoed
     assert (plan.decision, plan.reason, plan.decode_local_veto) == (Decision.RECOMPUTE, "decode_local_vetoed",
                                                                     "tail_tokens")
     assert plan.cached_tokens_seen == 64 * BS and plan.recompute_tokens == 64 * BS + 700
+
+
+def relief_cluster(queued: int | None, step_tokens: int = 256, **decode_load: Any) -> list[EngineRecord]:
+    """Two prefill engines with ``queued`` prompt tokens each counted by the routers (None: no router counts them),
+    and a decode engine of 256-token steps; every engine at 10,000 tokens/s."""
+    d = EngineRecord(EngineInfo("d", Role.DECODE, BS, FP, 1000, step_tokens=step_tokens), 0.0, 0.0,
+                     EngineLoad(prefill_tokens_per_s=10_000, queued_prefill_tokens=0, **decode_load))
+    return [engine(p, Role.PREFILL, prefill_tokens_per_s=10_000, queued_prefill_tokens=queued) for p in ("p1", "p2")
+            ] + [d]
+
+
+def test_the_decode_engine_relieves_queued_prefill_engines_of_a_fresh_prompt() -> None:
+    """2,000 tokens take the decode engine 0.2 s; each prefill engine has 5,000 tokens (0.5 s) queued before it."""
+    plan = plan_for(2000, relief_cluster(5000))
+    assert (plan.decision, plan.reason) == (Decision.DECODE_LOCAL, "prefill_queued")
+    assert plan.decode.engine_id == "d" and plan.prefill.engine_id == "d" and plan.recompute_tokens == 2000
+    assert plan.cost.decode_local_s < plan.cost.recompute_path_s
+
+
+@pytest.mark.parametrize(("queued", "decode_load", "policy", "why"), [
+    (1000, {}, PlacementPolicy(), "a queue of 0.1 s: a prefill engine starts it before the decode engine is done"),
+    (None, {}, PlacementPolicy(), "no router counts the prefill engines' queues"),
+    (5000, {}, PlacementPolicy(prefill_relief=False), "relief off"),
+    (5000, {"running_requests": 3}, PlacementPolicy(), "3 streams x 0.2 s is over the 0.5 stream-second budget"),
+    (5000, {"waiting_requests": 1}, PlacementPolicy(), "the decode engine has a queue of its own"),
+])
+def test_no_relief(queued: int | None, decode_load: dict[str, Any], policy: PlacementPolicy, why: str) -> None:
+    plan = plan_for(2000, relief_cluster(queued, **decode_load), policy=policy)
+    assert plan.decision is Decision.RECOMPUTE and plan.prefill.engine_id in ("p1", "p2"), why
+
+
+def test_relief_lifts_the_length_vetoes_only() -> None:
+    """A 600-token tail on the decode engine that holds the history: over decode_local_max_tokens, so a pull to a
+    prefill engine while those start it sooner; the decode engine once they are queued past its 60 ms; never on
+    an engine that computes it in one step (60 ms over the 30 ms step budget)."""
+    tokens = 64 * BS + 600
+    assert plan_for(tokens, relief_cluster(0), lease=("d", 64)).decode_local_veto == "tail_tokens"
+    plan = plan_for(tokens, relief_cluster(5000), lease=("d", 64))
+    assert (plan.decision, plan.reason, plan.local_tokens) == (Decision.DECODE_LOCAL, "prefill_queued", 64 * BS)
+    one_step = plan_for(tokens, relief_cluster(5000, step_tokens=0), lease=("d", 64))
+    assert (one_step.decision, one_step.decode_local_veto) == (Decision.TRANSFER, "step_budget")
