@@ -109,6 +109,8 @@ class BrokerConfig(ServiceConfig):
         "cost model: DECODE_LOCAL's price per stream-second its tail holds up the decode engine's streams")
     least_loaded_candidates: int = setting(_policy("least_loaded_candidates"),
         "placement prices the engines holding a prompt's prefix plus this many of the least loaded of each role")
+    placed_s: float = setting(_policy("placed_s"), "a placement counts on its engines for this long, until the "
+                              "router's own counts hold it (each Place of a burst sees the ones before it)")
     in_flight_ttl_s: float = setting(_policy("in_flight_ttl_s"), "a router's counts of its requests in flight "
                                      "stand for this long after its last placement (they price load and veto)")
     tick_interval_s: float = setting(0.25, "how often leases, pins and engines are checked for expiry")
@@ -169,7 +171,7 @@ class BrokerConfig(ServiceConfig):
         for name in ("threshold_tokens", "transfer_overhead_s", "sticky_load_gap", "shared_prefix_load_gap",
                      "shutdown_grace_s", "pd_hop_s",
                      "queue_penalty_s", "decode_local_max_tokens", "decode_local_stall_budget_s",
-                     "decode_local_step_budget_s", "decode_stall_weight"):
+                     "decode_local_step_budget_s", "decode_stall_weight", "placed_s"):
             self._require(getattr(self, name) >= 0, name, "must not be negative")
         self._require(self.host_ttl_s == 0 or self.min_ttl_s <= self.host_ttl_s <= self.max_ttl_s, "host_ttl_s",
                       "must be 0 or lie within min_ttl_s..max_ttl_s")

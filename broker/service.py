@@ -205,6 +205,9 @@ class BrokerService(broker_pb2_grpc.KVBrokerServicer):
                 log.info("broker.place_pin_refused", lease=plan.source_lease_id, error=exc.message)
                 plan = replace(plan, decision=Decision.RECOMPUTE, reason=Reason.PIN_REFUSED, pull_tokens=0,
                                recompute_tokens=request.num_tokens - plan.local_tokens)
+        if request.counts_in_flight:
+            placed = plan
+            self.runtime.volatile(lambda s, now: s.count_placement(placed, now))
         metrics = self.runtime.metrics
         metrics.placement_latency.observe(time.perf_counter() - start)
         metrics.placements.labels(decision=plan.decision.value, reason=plan.reason).inc()

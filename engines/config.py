@@ -60,8 +60,8 @@ MANAGED_VLLM_FLAGS = {
 }
 DECODE_STEP_TOKENS = 256
 """A decode engine's step size unless configured: a DECODE_LOCAL tail chunked to what the streams leave of 256 tokens
-lengthens a step by ~26 ms of the tiny model on one core here (vLLM's CPU default, 2048, ~210 ms); placement's
-``decode_local_step_budget_s`` (30 ms) is the budget it serves (docs/architecture.md)."""
+lengthens a step by at most ~26 ms of the tiny model on one core here (vLLM's CPU default, 2048, ~210 ms): the
+stated budget of a decode step, which placement reads from the engine's registration (docs/architecture.md)."""
 MIN_STEP_TOKENS = 128
 """vLLM requires a step to hold at least ``max_num_seqs`` tokens, 128 on the CPU build's OpenAI server."""
 ZMQ_SCHEMES = ("ipc://", "tcp://")

@@ -61,6 +61,8 @@ class TurnPlan:
     available_tokens: int = 0
     """The longest prefix any engine held (the broker's lease and soft indexes): the reuse this turn could have."""
     broker_plan: pb.Plan | None = None
+    veto: str = ""
+    """Why DECODE_LOCAL was not taken though the decode engine held the prefix (the broker's ``decode_local_veto``)."""
 
     @property
     def decode(self) -> EngineInfo:
@@ -107,7 +109,8 @@ def plan_turn(directory: Directory, kind: str, session: str, model: str, prompt_
                     matched_tokens=int(plan.matched_tokens) if plan else 0,
                     local_tokens=int(plan.local_tokens) if plan else 0,
                     pull_tokens=int(plan.pull_tokens) if plan else 0,
-                    available_tokens=int(plan.cached_tokens_seen) if plan else 0, broker_plan=plan)
+                    available_tokens=int(plan.cached_tokens_seen) if plan else 0, broker_plan=plan,
+                    veto=plan.decode_local_veto if plan else "")
 
 
 def downgraded(plan: TurnPlan, reason: str) -> TurnPlan:

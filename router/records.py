@@ -40,6 +40,8 @@ class TurnRecord:
     path: str = ""
     """The path the turn took by the engines' own accounts; "" when unknown."""
     reason: str = ""
+    veto: str = ""
+    """Why DECODE_LOCAL was not taken although the decode engine held the prefix ("" when taken or none held it)."""
     local_tokens: int = 0
     pulled_tokens: int = 0
     pulled_blocks: int = 0
@@ -111,7 +113,7 @@ def turn_record(turn: Any, *, now: float, elapsed_s: float, output_tokens: int, 
         t=round(now - elapsed_s, 6), t_end=round(now, 6), session=plan.session,
         prompt_tokens=plan.prompt_tokens, block_size=plan.block_size,
         keys=key_digests(list(plan.keys)), output_tokens=output_tokens, planned=plan.path,
-        path=turn.path, reason=plan.reason, local_tokens=report.local_tokens,
+        path=turn.path, reason=plan.reason, veto=plan.veto, local_tokens=report.local_tokens,
         pulled_tokens=report.pulled_tokens, pulled_blocks=report.pulled_blocks,
         computed_tokens=report.computed_tokens, pulled_bytes=report.pulled_bytes, pull_ms=report.pull_ms,
         ttft_ms=round(ttft_s * 1e3, 3), prefill_engine=turn.outcome.prefill_engine,

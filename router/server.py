@@ -49,7 +49,8 @@ def decision_headers(turn: Turn) -> dict[str, str]:
     chunk: its headers carry the plan's figures with ``x-kvloop-measured: false``, and :func:`measured_comment`
     gives the measured ones before ``[DONE]``."""
     return {"x-kvloop-decision": turn.path, "x-kvloop-planned": turn.plan.path,
-            "x-kvloop-reason": turn.plan.reason, "x-kvloop-plan-outcome": turn.plan_vs_actual,
+            "x-kvloop-reason": turn.plan.reason, "x-kvloop-decode-local-veto": turn.plan.veto,
+            "x-kvloop-plan-outcome": turn.plan_vs_actual,
             "x-kvloop-measured": str(turn.measured).lower(),
             "x-kvloop-prefill-engine": turn.outcome.prefill_engine, "x-kvloop-decode-engine": turn.decode.engine_id,
             **figures(turn), "x-kvloop-timing": ",".join(f"{k}={v}" for k, v in timing_ms(turn).items())}

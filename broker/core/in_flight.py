@@ -12,6 +12,12 @@ Contract:
   no router has (then placement falls back to the sidecars' reports, e.g. a caller of ``Place`` that counts
   nothing, such as the benchmarks' drivers). ``token_totals(now)`` does the same for the tokens.
 - A router that stops placing stops counting after ``ttl_s``: its last counts can only be as stale as that.
+- ``placed(engine_id, tokens, now)`` counts a placement the broker just made (a request, and the prompt tokens it
+  sends the engine to compute) for ``placed_s``, summed into both totals while any router counts: the routers'
+  counts do not hold it until the router has sent the request, and the Places of one burst, arriving in one
+  PlaceStream batch, each carry the same snapshot taken before any of them was placed, so without it they all went
+  to the engine that was least loaded before the burst. Until it lapses a placement the router has sent counts
+  twice, which only leans the next placements towards other engines.
 
 In memory only, never persisted (a new leader starts empty and learns from the next ``Place`` of each router).
 Tested in ``tests/unit/test_in_flight.py``.
@@ -19,6 +25,7 @@ Tested in ``tests/unit/test_in_flight.py``.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -35,7 +42,11 @@ class InFlight:
     ttl_s: float = 10.0
     max_routers: int = 1024
     """Most routers kept; the one reported longest ago goes first (bounds memory against a flood of ids)."""
+    placed_s: float = 0.2
+    max_placed: int = 65536
+    """Most recent placements kept (bounds memory however fast Places come)."""
     _routers: dict[str, _Report] = field(default_factory=dict)
+    _placed: deque[tuple[float, str, int]] = field(default_factory=deque)
 
     def report(self, router: str, counts: Mapping[str, int], now: float,
                tokens: Mapping[str, int] | None = None) -> None:
@@ -45,7 +56,13 @@ class InFlight:
         while len(self._routers) > self.max_routers:
             del self._routers[next(iter(self._routers))]
 
-    def _sum(self, now: float, which: Callable[[_Report], dict[str, int]]) -> dict[str, int] | None:
+    def placed(self, engine_id: str, tokens: int, now: float) -> None:
+        self._placed.append((now, engine_id, max(0, int(tokens))))
+        while len(self._placed) > self.max_placed:
+            self._placed.popleft()
+
+    def _sum(self, now: float, which: Callable[[_Report], dict[str, int]],
+             placed: Callable[[int], int]) -> dict[str, int] | None:
         fresh = [which(r) for r in self._routers.values() if now - r.seen <= self.ttl_s]
         if not fresh:
             return None
@@ -53,13 +70,19 @@ class InFlight:
         for counts in fresh:
             for engine_id, n in counts.items():
                 totals[engine_id] = totals.get(engine_id, 0) + n
+        while self._placed and now - self._placed[0][0] > self.placed_s:
+            self._placed.popleft()
+        for _, engine_id, tokens in self._placed:
+            n = placed(tokens)
+            if n:
+                totals[engine_id] = totals.get(engine_id, 0) + n
         return totals
 
     def totals(self, now: float) -> dict[str, int] | None:
-        return self._sum(now, lambda r: r.counts)
+        return self._sum(now, lambda r: r.counts, lambda tokens: 1)
 
     def token_totals(self, now: float) -> dict[str, int] | None:
-        return self._sum(now, lambda r: r.tokens)
+        return self._sum(now, lambda r: r.tokens, lambda tokens: tokens)
 
     def routers(self, now: float) -> int:
         return sum(1 for r in self._routers.values() if now - r.seen <= self.ttl_s)

@@ -9,11 +9,15 @@ reported figures. One cost model prices every possible path in estimated seconds
   stall of the decode engine's streams is within budget: the tail's compute time, times the streams it holds
   up, at most ``decode_local_stall_budget_s`` (the busy veto), and none queued. Inside the budget the stall is
   still priced: ``decode_stall_weight`` per stream-second. The engine's step size (``EngineInfo.step_tokens``,
-  vLLM's chunked prefill) splits the tail over steps, each carrying what the streams' decodes leave of it: no
-  room left is the ``step_full`` veto, and a chunk whose compute alone would lengthen one step of every stream
-  past ``decode_local_step_budget_s`` the ``step_budget`` veto. ``decode_local=False`` gives strict P/D. A decode engine
-  of role both computes any prompt it is to decode this way (a prefill request to itself would be a second
-  request and a hop on the same streams); a vetoed one goes to another prefill engine, or stays when none can.
+  vLLM's chunked prefill) splits the tail over steps, each carrying what the streams' decodes leave of it, so a
+  step is lengthened by at most that much (the budget, set on the engine): no room left is the ``step_full``
+  veto. A prompt only prefill relief lets on the decode engine (below) must also keep each chunk's compute
+  within ``decode_local_step_budget_s`` at the engine's rate (``step_budget``). ``decode_local=False`` gives strict
+  P/D. A decode engine of role both computes any prompt it is to decode this way (a prefill request to itself
+  would be a second request and a hop on the same streams); a vetoed one goes to another prefill engine, or
+  stays when none can. **Prefill relief**: where every other prefill engine's counted queue alone outlasts the
+  decode engine's compute of the whole tail, the length vetoes are lifted, and a decode engine may take a prompt
+  it holds nothing of (``prefill_queued``).
 - **PREFILL_LOCAL**: a prefill engine's own cache (a lease or its prefix cache) holds the prefix: the P/D hop
   plus its tail.
 - **TRANSFER**: the P/D hop, plus a pull of the blocks beyond the prefill engine's own prefix from the lease
@@ -72,11 +76,13 @@ class PlacementPolicy:
     """... and the tail's compute time on the decode engine, times the streams it is decoding, is at most this
     many stream-seconds, with none queued (the busy veto)."""
     decode_local_step_budget_s: float = 0.03
-    """... and the part of the tail one engine step computes (all of it, or a chunk where the engine reports its
-    step size) takes at most this long at its rate: no step of its streams is lengthened by more. The decode
-    engines ``kvloop up`` starts take steps of ``DECODE_STEP_TOKENS`` (256: ~26 ms at the ~9,800 tokens/s the tiny
-    model's prefill engines measure on one core here); with vLLM's default step (2048 tokens on the CPU build) the
-    budget vetoes tails over ~290 tokens."""
+    """A prompt only prefill relief lets on the decode engine: the part of it one engine step computes (all of it,
+    or a chunk where the engine reports its step size) takes at most this long at its rate, so no step of the
+    streams is lengthened by more. The decode engines ``kvloop up`` starts take steps of ``DECODE_STEP_TOKENS``
+    (256: ~26 ms at the ~9,800 tokens/s the tiny model's prefill engines measure on one core here); an engine of
+    vLLM's default step (2048 tokens on the CPU build) takes none over ~290 tokens. Short tails are bounded by the
+    step size and ``decode_local_max_tokens`` instead: a measured rate that dips under load must not send every
+    tail over the P/D hop."""
     prefill_relief: bool = True
     """Let the decode engine compute a prompt of any length, or one it holds nothing of, when every other prefill
     engine's counted queue alone outlasts its compute there (conditional disaggregation by queue, as Dynamo's
@@ -94,6 +100,9 @@ class PlacementPolicy:
     least loaded is the cheapest of those holding nothing; the few more cover differing measured rates."""
     in_flight_ttl_s: float = 10.0
     """A router's counts of its requests in flight stand for this long after its last Place (see .in_flight)."""
+    placed_s: float = 0.2
+    """A placement counts on its engines for this long, until the router that asked has sent the request and its
+    own counts hold it: each Place of a burst sees the ones before it (see .in_flight)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,6 +281,7 @@ def place(
     relief = (policy.prefill_relief and policy.decode_local and request.decode_local
               and bool(others) and min(others) > tail_s)
     lengthy = tail > policy.decode_local_max_tokens or tail > policy.decode_local_max_share * request.num_tokens
+    by_relief = relief and (lengthy or not (decode_own or self_serve))  # only relief lets it on the decode engine
     relieved = False
     if decode_own or self_serve or relief:
         d_load = decode.load
@@ -288,12 +298,12 @@ def place(
             blocked = Veto.DECODE_BUSY
         elif chunk <= 0:
             blocked = Veto.STEP_FULL
-        elif chunk / tail * tail_s > policy.decode_local_step_budget_s:
+        elif by_relief and chunk / tail * tail_s > policy.decode_local_step_budget_s:
             blocked = Veto.STEP_BUDGET
         # A vetoed prompt goes to another prefill engine; where none can take it, the decode engine (role both)
         # computes it anyway, in one request (a prefill request to it would stall the same streams).
         forced = bool(blocked) and self_serve and not options
-        relieved = not blocked and (lengthy or not (decode_own or self_serve))
+        relieved = by_relief and not blocked
         if not blocked or forced:
             # Its own wait and compute (the decode engine's queued tails: no flat penalty, its running requests
             # are streams, priced as the stall instead), plus what the tail costs the streams it holds up.

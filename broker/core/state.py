@@ -201,7 +201,8 @@ class BrokerState:
         """The live engines by layout and load order: which few placement prices besides the prefix's holders."""
         self.soft = SoftIndex(self.limits.soft_index_max_blocks)
         """Each engine's prefix cache as its KV events tell it: in memory only, never in ``Changes``."""
-        self.in_flight = InFlight(ttl_s=self.placement_policy.in_flight_ttl_s)
+        self.in_flight = InFlight(ttl_s=self.placement_policy.in_flight_ttl_s,
+                                  placed_s=self.placement_policy.placed_s)
         """The routers' requests in flight per engine: in memory only, never in ``Changes``."""
         self.unheard: set[str] = set()
         """Engines restored from a store (:meth:`load`) that have not registered or kept alive with this state yet.
@@ -784,6 +785,13 @@ class BrokerState:
                                       field="in_flight_tokens")
         self.in_flight.report(router, {e: n for e, n in counts.items() if e in self.engines}, now,
                               {e: n for e, n in (tokens or {}).items() if e in self.engines})
+
+    def count_placement(self, plan: Plan, now: float) -> None:
+        """A plan just given to a router that counts its requests: the engine that computes its prompt (the
+        decode engine on DECODE_LOCAL) counts the request and its tokens to compute until the router's own counts
+        can (:mod:`.in_flight`). A P/D plan's decode request is not counted: it starts when the prefill ends, and a
+        stream counted before then would veto DECODE_LOCAL tails on streams that are not there yet."""
+        self.in_flight.placed(plan.prefill.engine_id, plan.recompute_tokens, now)
 
     def engines_as_placed(self, now: float) -> list[EngineRecord]:
         """The live engines with the load placement prices: where routers count their requests in flight, those

@@ -56,7 +56,8 @@ class Veto(StrEnum):
     STEP_FULL = "step_full"
     """The decode engine's streams fill its whole step (``EngineInfo.step_tokens``): no room for a tail's chunk."""
     STEP_BUDGET = "step_budget"
-    """The tail's chunk would lengthen a step of every stream past ``decode_local_step_budget_s``."""
+    """A prompt only prefill relief would put on the decode engine: one chunk of it would lengthen a step of every
+    stream past ``decode_local_step_budget_s``."""
     COSTLIER = "costlier"
 
 

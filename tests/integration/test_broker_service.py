@@ -156,6 +156,24 @@ async def test_place_stream_matches_place(broker: Broker) -> None:
         await stream.close()
 
 
+async def test_the_places_of_one_burst_spread_over_the_prefill_engines(broker: Broker) -> None:
+    """Four fresh prompts in one PlaceStream batch, each with the router's same snapshot (nothing in flight): each
+    placement counts on its engine until the router's counts hold it, so they alternate between the two prefill
+    engines instead of all going to the one that was least loaded before the burst."""
+    fp, pre = "fp-burst", "burst"
+    await register_cluster(broker, pre, fp)
+    requests = [place_request(tokens(1000, start=5_000_000 + i * 10_000), fp) for i in range(4)]
+    for r in requests:
+        r.counts_in_flight, r.router_id = True, "burst-router"
+    stream = PlacementStream(broker.stub)
+    try:
+        plans = await asyncio.gather(*(stream.place(r) for r in requests))
+    finally:
+        await stream.close()
+    assert all(p.decision == pb.DECISION_RECOMPUTE for p in plans), plans
+    assert sorted(p.prefill_engine_id for p in plans) == [f"{pre}-p1", f"{pre}-p1", f"{pre}-p2", f"{pre}-p2"]
+
+
 # ------------------------------------------------------------------------------------------ leases and pins
 
 

@@ -189,3 +189,26 @@ def test_the_routers_counter_counts_tokens_until_computed() -> None:
         computed()  # once only
         assert counts.tokens() == {"p": 300} and counts["p"] == 2
     assert counts.tokens() == {} and counts.snapshot() == {}
+
+
+def test_the_places_of_one_burst_see_the_ones_before_and_not_for_long() -> None:
+    """Two fresh 2,000-token prompts placed at one instant, each with the router's same snapshot (nothing in
+    flight): the first two go to the two prefill engines in turn, not both to the first; 0.2 s later (placed_s)
+    the placements no longer count, and the router's own counts are all there is."""
+    state = _state()
+    state.register(EngineInfo("p2", Role.PREFILL, BS, FP, 1000), 0.0)
+    tokens = list(range(5000, 7000))
+    keys = block_keys(tokens, BS, ExtraKeys(FP))
+    engines = []
+    for _ in range(2):
+        state.report_in_flight("router", {}, now=2.0, tokens={})
+        plan = state.place(PlaceInput(keys, len(tokens), FP, BS), 2.0)
+        state.count_placement(plan, 2.0)
+        engines.append(plan.prefill.engine_id)
+    assert sorted(engines) == ["p", "p2"]
+    placed = {e.info.engine_id: e.load for e in state.engines_as_placed(2.0)}
+    assert placed["p"].queued_prefill_tokens == placed["p2"].queued_prefill_tokens == 2000
+    assert placed["d"].running_requests == 0  # the decode requests start when their prefills end
+    state.report_in_flight("router", {}, now=2.3, tokens={})
+    assert all(e.load.queued_prefill_tokens == 0 and e.load.running_requests == 0
+               for e in state.engines_as_placed(2.3))
