@@ -11,8 +11,10 @@ reported figures. One cost model prices every possible path in estimated seconds
   still priced: ``decode_stall_weight`` per stream-second. The engine's step size (``EngineInfo.step_tokens``,
   vLLM's chunked prefill) splits the tail over steps, each carrying what the streams' decodes leave of it, so a
   step is lengthened by at most that much (the budget, set on the engine): no room left is the ``step_full``
-  veto. A prompt only prefill relief lets on the decode engine (below) must also keep each chunk's compute
-  within ``decode_local_step_budget_s`` at the engine's rate (``step_budget``). ``decode_local=False`` gives strict
+  veto. A prompt only prefill relief lets on the decode engine (below) needs an engine whose step is at most
+  ``decode_local_max_tokens``, so it holds no step up longer than a short tail may (``step_budget``). The step is
+  counted in tokens, set on the engine where its hardware is known: the rate placement has for a decode engine
+  is its prefill engines' (it measures none), which on shared cores is half its own. ``decode_local=False`` gives strict
   P/D. A decode engine of role both computes any prompt it is to decode this way (a prefill request to itself
   would be a second request and a hop on the same streams); a vetoed one goes to another prefill engine, or
   stays when none can. **Prefill relief**: where every other prefill engine's counted queue alone outlasts the
@@ -75,14 +77,6 @@ class PlacementPolicy:
     decode_local_stall_budget_s: float = 0.5
     """... and the tail's compute time on the decode engine, times the streams it is decoding, is at most this
     many stream-seconds, with none queued (the busy veto)."""
-    decode_local_step_budget_s: float = 0.03
-    """A prompt only prefill relief lets on the decode engine: the part of it one engine step computes (all of it,
-    or a chunk where the engine reports its step size) takes at most this long at its rate, so no step of the
-    streams is lengthened by more. The decode engines ``kvloop up`` starts take steps of ``DECODE_STEP_TOKENS``
-    (256: ~26 ms at the ~9,800 tokens/s the tiny model's prefill engines measure on one core here); an engine of
-    vLLM's default step (2048 tokens on the CPU build) takes none over ~290 tokens. Short tails are bounded by the
-    step size and ``decode_local_max_tokens`` instead: a measured rate that dips under load must not send every
-    tail over the P/D hop."""
     prefill_relief: bool = True
     """Let the decode engine compute a prompt of any length, or one it holds nothing of, when every other prefill
     engine's counted queue alone outlasts its compute there (conditional disaggregation by queue, as Dynamo's
@@ -298,7 +292,7 @@ def place(
             blocked = Veto.DECODE_BUSY
         elif chunk <= 0:
             blocked = Veto.STEP_FULL
-        elif by_relief and chunk / tail * tail_s > policy.decode_local_step_budget_s:
+        elif by_relief and not 0 < decode.info.step_tokens <= policy.decode_local_max_tokens:
             blocked = Veto.STEP_BUDGET
         # A vetoed prompt goes to another prefill engine; where none can take it, the decode engine (role both)
         # computes it anyway, in one request (a prefill request to it would stall the same streams).

@@ -56,8 +56,9 @@ class Veto(StrEnum):
     STEP_FULL = "step_full"
     """The decode engine's streams fill its whole step (``EngineInfo.step_tokens``): no room for a tail's chunk."""
     STEP_BUDGET = "step_budget"
-    """A prompt only prefill relief would put on the decode engine: one chunk of it would lengthen a step of every
-    stream past ``decode_local_step_budget_s``."""
+    """A prompt only prefill relief would put on the decode engine, whose step is larger than
+    ``decode_local_max_tokens`` (or unknown): a chunk of it would hold up a step of every stream longer than a short
+    tail may."""
     COSTLIER = "costlier"
 
 

@@ -222,10 +222,11 @@ def test_no_relief(queued: int | None, decode_load: dict[str, Any], policy: Plac
 def test_relief_lifts_the_length_vetoes_only() -> None:
     """A 600-token tail on the decode engine that holds the history: over decode_local_max_tokens, so a pull to a
     prefill engine while those start it sooner; the decode engine once they are queued past its 60 ms; never on
-    an engine that computes it in one step (60 ms over the 30 ms step budget)."""
+    an engine whose step is unknown or larger than decode_local_max_tokens (512)."""
     tokens = 64 * BS + 600
     assert plan_for(tokens, relief_cluster(0), lease=("d", 64)).decode_local_veto == "tail_tokens"
     plan = plan_for(tokens, relief_cluster(5000), lease=("d", 64))
     assert (plan.decision, plan.reason, plan.local_tokens) == (Decision.DECODE_LOCAL, "prefill_queued", 64 * BS)
-    one_step = plan_for(tokens, relief_cluster(5000, step_tokens=0), lease=("d", 64))
-    assert (one_step.decision, one_step.decode_local_veto) == (Decision.TRANSFER, "step_budget")
+    for step_tokens in (0, 2048):
+        big_step = plan_for(tokens, relief_cluster(5000, step_tokens=step_tokens), lease=("d", 64))
+        assert (big_step.decision, big_step.decode_local_veto) == (Decision.TRANSFER, "step_budget")
