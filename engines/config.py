@@ -58,10 +58,13 @@ MANAGED_VLLM_FLAGS = {
     "--kv-events-config": "kv_events / kv_events_endpoint / kv_events_replay_endpoint",
     "--max-num-batched-tokens": "step_tokens",
 }
-DECODE_STEP_TOKENS = 256
-"""A decode engine's step size unless configured: a DECODE_LOCAL tail chunked to what the streams leave of 256 tokens
-lengthens a step by at most ~26 ms of the tiny model on one core here (vLLM's CPU default, 2048, ~210 ms): the
-stated budget of a decode step, which placement reads from the engine's registration (docs/architecture.md)."""
+DECODE_STEP_TOKENS = 512
+"""A decode engine's step size unless configured, placement's ``decode_local_max_tokens``: a step never computes more
+prompt tokens than one short tail, ~50 ms of the tiny model on one core here (vLLM's CPU default, 2048, ~210 ms):
+the stated budget of a decode step, which placement reads from the engine's registration, and what lets prefill
+relief put a long prompt on the decode engine in chunks (docs/architecture.md). 256 was measured worse: the agent
+workload's ~280-token tails took two steps each, and the saturated decode core lost throughput to the extra steps
+(``kvloop bench load``, docs/benchmarks.md)."""
 MIN_STEP_TOKENS = 128
 """vLLM requires a step to hold at least ``max_num_seqs`` tokens, 128 on the CPU build's OpenAI server."""
 ZMQ_SCHEMES = ("ipc://", "tcp://")
@@ -166,7 +169,7 @@ class EngineConfig(ServiceConfig):
                                        "tier that evictions demote into (0 = none); on the CPU build they are "
                                        "part of the KV cache's allocation, so vLLM schedules the rest")
     step_tokens: int | None = setting(None, "the most tokens one engine step computes, decodes and prompt chunks "
-                                            "together (vLLM's --max-num-batched-tokens; default: 256 for a decode "
+                                            "together (vLLM's --max-num-batched-tokens; default: 512 for a decode "
                                             "engine, vLLM's own otherwise, 2048 on the CPU build; 0 = vLLM's): on a "
                                             "decode engine it bounds how long a DECODE_LOCAL tail holds up a step "
                                             "of its streams, as chunked prefill splits the tail over steps")

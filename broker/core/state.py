@@ -21,6 +21,7 @@ from kvloop.broker.core.in_flight import InFlight
 from kvloop.broker.core.index import BlockIndex, Match
 from kvloop.broker.core.model import (
     DEMOTING_REASONS,
+    Decision,
     EngineInfo,
     EngineLoad,
     EngineRecord,
@@ -35,6 +36,7 @@ from kvloop.broker.core.placement import PlaceInput, PlacementPolicy, place
 from kvloop.broker.core.soft_index import SoftAck, SoftIndex
 from kvloop.shared.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvloop.shared.hashing import KEY_BYTES
+from kvloop.shared.vocabulary import Reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -790,7 +792,12 @@ class BrokerState:
         """A plan just given to a router that counts its requests: the engine that computes its prompt (the
         decode engine on DECODE_LOCAL) counts the request and its tokens to compute until the router's own counts
         can (:mod:`.in_flight`). A P/D plan's decode request is not counted: it starts when the prefill ends, and a
-        stream counted before then would veto DECODE_LOCAL tails on streams that are not there yet."""
+        stream counted before then would veto DECODE_LOCAL tails on streams that are not there yet. Nor is a short
+        tail on the decode engine that holds its history: it goes there by affinity, the router counts it as it
+        starts, and counted twice meanwhile the tails of sessions arriving together looked costlier there than
+        the P/D hop, which under load costs far more than it is priced (``kvloop bench load``, agent workload)."""
+        if plan.decision is Decision.DECODE_LOCAL and plan.reason is not Reason.PREFILL_QUEUED:
+            return
         self.in_flight.placed(plan.prefill.engine_id, plan.recompute_tokens, now)
 
     def engines_as_placed(self, now: float) -> list[EngineRecord]:

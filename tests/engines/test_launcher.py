@@ -257,7 +257,7 @@ def test_command_and_environment(tmp_path: Path) -> None:
     assert kv["kv_connector_extra_config"] == {"kv_lease_duration": 60}
     assert "kv_connector_module_path" not in kv
     assert argv[-2:] == ["--max-num-seqs", "4"]
-    assert flags["--max-num-batched-tokens"] == "256"  # a decode engine's step: DECODE_STEP_TOKENS
+    assert flags["--max-num-batched-tokens"] == "512"  # a decode engine's step: DECODE_STEP_TOKENS
     if is_cpu_build():
         assert flags["--block-size"] == "128" and "--enforce-eager" in argv and kv["kv_buffer_device"] == "cpu"
         assert plan.env["TORCH_COMPILE_DISABLE"] == "1"  # eager: not even vLLM's small Inductor helpers
@@ -303,7 +303,7 @@ def test_command_and_environment(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("role", "step_tokens", "flag"), [
-    ("decode", None, "256"), ("decode", 1024, "1024"), ("decode", 0, None), ("prefill", None, None),
+    ("decode", None, "512"), ("decode", 1024, "1024"), ("decode", 0, None), ("prefill", None, None),
     ("both", None, None), ("prefill", 512, "512"),
 ])
 def test_the_step_size_is_a_decode_engines_own_unless_configured(

@@ -212,3 +212,9 @@ def test_the_places_of_one_burst_see_the_ones_before_and_not_for_long() -> None:
     state.report_in_flight("router", {}, now=2.3, tokens={})
     assert all(e.load.queued_prefill_tokens == 0 and e.load.running_requests == 0
                for e in state.engines_as_placed(2.3))
+    # A short tail on the decode engine holding its history is the router's to count: not counted twice.
+    tail = _retained_turn(state)
+    plan = state.place(PlaceInput(block_keys(tail, BS, ExtraKeys(FP)), len(tail), FP, BS, "s"), 2.4)
+    state.count_placement(plan, 2.4)
+    assert plan.decision is Decision.DECODE_LOCAL
+    assert all(e.load.queued_prefill_tokens == 0 for e in state.engines_as_placed(2.4))
