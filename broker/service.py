@@ -206,8 +206,7 @@ class BrokerService(broker_pb2_grpc.KVBrokerServicer):
                 plan = replace(plan, decision=Decision.RECOMPUTE, reason=Reason.PIN_REFUSED, pull_tokens=0,
                                recompute_tokens=request.num_tokens - plan.local_tokens)
         if request.counts_in_flight:
-            placed = plan
-            self.runtime.volatile(lambda s, now: s.count_placement(placed, now))
+            self.runtime.volatile(lambda s, now: s.count_placement(plan, now))
         metrics = self.runtime.metrics
         metrics.placement_latency.observe(time.perf_counter() - start)
         metrics.placements.labels(decision=plan.decision.value, reason=plan.reason).inc()

@@ -247,8 +247,8 @@ def build_command(config: EngineConfig, *, engine_id: str, port: int, sidecar_so
         argv += ["--block-size", str(block_size)]
     if config.resolved_enforce_eager():
         argv.append("--enforce-eager")
-    if config.resolved_step_tokens():
-        argv += ["--max-num-batched-tokens", str(config.resolved_step_tokens())]
+    if step_tokens := config.resolved_step_tokens():
+        argv += ["--max-num-batched-tokens", str(step_tokens)]
     argv += ["--uvicorn-log-level", "warning" if config.log_level in ("warning", "error") else "info"]
     return argv + config.extra_args()
 

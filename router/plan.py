@@ -61,8 +61,12 @@ class TurnPlan:
     available_tokens: int = 0
     """The longest prefix any engine held (the broker's lease and soft indexes): the reuse this turn could have."""
     broker_plan: pb.Plan | None = None
-    veto: str = ""
-    """Why DECODE_LOCAL was not taken though the decode engine held the prefix (the broker's ``decode_local_veto``)."""
+
+    @property
+    def veto(self) -> str:
+        """Why DECODE_LOCAL was not taken though the decode engine held the prefix (the broker's
+        ``decode_local_veto``; "" without a plan)."""
+        return self.broker_plan.decode_local_veto if self.broker_plan is not None else ""
 
     @property
     def decode(self) -> EngineInfo:
@@ -109,8 +113,7 @@ def plan_turn(directory: Directory, kind: str, session: str, model: str, prompt_
                     matched_tokens=int(plan.matched_tokens) if plan else 0,
                     local_tokens=int(plan.local_tokens) if plan else 0,
                     pull_tokens=int(plan.pull_tokens) if plan else 0,
-                    available_tokens=int(plan.cached_tokens_seen) if plan else 0, broker_plan=plan,
-                    veto=plan.decode_local_veto if plan else "")
+                    available_tokens=int(plan.cached_tokens_seen) if plan else 0, broker_plan=plan)
 
 
 def downgraded(plan: TurnPlan, reason: str) -> TurnPlan:

@@ -284,10 +284,8 @@ def place(
         blocked: Veto | str = ""
         if not (policy.decode_local and request.decode_local):
             blocked = Veto.DISABLED
-        elif tail > policy.decode_local_max_tokens and not relief:
-            blocked = Veto.TAIL_TOKENS
-        elif tail > policy.decode_local_max_share * request.num_tokens and not relief:
-            blocked = Veto.TAIL_SHARE
+        elif lengthy and not relief:
+            blocked = Veto.TAIL_TOKENS if tail > policy.decode_local_max_tokens else Veto.TAIL_SHARE
         elif d_load.waiting_requests > 0 or streams * tail_s > policy.decode_local_stall_budget_s:
             blocked = Veto.DECODE_BUSY
         elif chunk <= 0:
