@@ -108,6 +108,9 @@ class BrokerConfig(ServiceConfig):
         "placement prices the engines holding a prompt's prefix plus this many of the least loaded of each role")
     placed_s: float = setting(_policy("placed_s"), "a placement counts on its engines for this long, until the "
                               "router's own counts hold it (each Place of a burst sees the ones before it)")
+    measured_residuals: bool = setting(_policy("measured_residuals"),
+        "cost model: add each router's measured residuals (how much longer than estimated its recent P/D and "
+        "DECODE_LOCAL turns took to the first token) to the paths of their kind; off: the idle estimates alone")
     in_flight_ttl_s: float = setting(_policy("in_flight_ttl_s"), "a router's counts of its requests in flight "
                                      "stand for this long after its last placement (they price load and veto)")
     tick_interval_s: float = setting(0.25, "how often leases, pins and engines are checked for expiry")

@@ -127,6 +127,7 @@ def cost_to_pb(cost: CostEstimate) -> pb.CostEstimate:
         measured=cost.measured, decode_local_s=cost.decode_local_s, prefill_local_s=cost.prefill_local_s,
         transfer_path_s=cost.transfer_path_s, recompute_path_s=cost.recompute_path_s,
         prefill_queue_s=cost.prefill_queue_s, decode_stall_s=cost.decode_stall_s,
+        pd_residual_s=cost.pd_residual_s, decode_local_residual_s=cost.decode_local_residual_s,
     )
 
 

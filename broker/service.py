@@ -190,7 +190,9 @@ class BrokerService(broker_pb2_grpc.KVBrokerServicer):
         start = time.perf_counter()
         place_input = PlaceInput(keys=list(request.block_keys), num_tokens=request.num_tokens,
                                  layout_fingerprint=request.layout_fingerprint, block_size=request.block_size,
-                                 session_id=request.session_id, decode_local=not request.no_decode_local)
+                                 session_id=request.session_id, decode_local=not request.no_decode_local,
+                                 pd_residual_s=request.pd_residual_s,
+                                 decode_local_residual_s=request.decode_local_residual_s)
         if request.counts_in_flight:
             router, counts, tokens = _router_name(request), dict(request.in_flight), dict(request.in_flight_tokens)
             self.runtime.volatile(lambda s, now: s.report_in_flight(router, counts, now, tokens))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvloop.shared.protocol import PrefillReport
 
@@ -32,6 +32,9 @@ class RouterMetrics:
         self.publication_waits = Counter("kvloop_router_publication_waits_total", "Turns that re-placed while the "
                                          "previous answer's lease was being published, by outcome", ["outcome"],
                                          registry=r)
+        self.residuals = Gauge("kvloop_router_path_residual_seconds", "This router's measured residual of the "
+                               "broker's estimates (seconds to first token beyond the plan's), by kind of path (pd, "
+                               "decode_local), as of its last turn of that kind", ["kind"], registry=r)
         self.requests = Counter("kvloop_router_requests_total", "HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)
 

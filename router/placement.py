@@ -22,6 +22,7 @@ from kvloop.router.in_flight import InFlightCounts
 from kvloop.router.metrics import RouterMetrics
 from kvloop.router.plan import Placement
 from kvloop.router.recent import RecentTurns
+from kvloop.router.residuals import DECODE_LOCAL, PD, PathResiduals
 from kvloop.shared.auth import token_of
 from kvloop.shared.client import BrokerClient, PlacementStream, complete_request
 from kvloop.shared.config import process_name
@@ -56,6 +57,9 @@ class Placer:
         self.router_id = process_name()
         """Names this router's in-flight counts where the broker authenticates nobody (development)."""
         self.recent = RecentTurns(config.publication_wait_s)
+        self.residuals = PathResiduals(config.residual_weight, config.residual_half_life_s) \
+            if config.residual_half_life_s > 0 else None
+        """This router's measure of the broker's estimates, sent with each placement (None: measures none)."""
         self.broker_answered = False
         """Whether the last ``Inspect`` got an answer: without a layout, the turn's fallback is then ``no_layout``
         (the broker knows no engine of the model), else ``broker_unavailable``."""
@@ -107,6 +111,10 @@ class Placer:
                                   in_flight=self.in_flight.snapshot(), counts_in_flight=True,
                                   in_flight_tokens=self.in_flight.tokens(),
                                   router_id=self.router_id)
+        if self.residuals is not None:
+            now = time.monotonic()
+            request.pd_residual_s = self.residuals.estimate(PD, now)
+            request.decode_local_residual_s = self.residuals.estimate(DECODE_LOCAL, now)
         plan, cause = await self.place_once(request)
         wait_ms = 0.0
         # The previous answer's lease may be a few ms from published (router/recent.py): place again until the

@@ -86,6 +86,12 @@ class TurnPlan:
         return "/v1/chat/completions" if self.kind == "chat" else "/v1/completions"
 
 
+def plan_path(plan: pb.Plan) -> Path:
+    """The broker's decision as a path (RECOMPUTE for one this router does not know)."""
+    name = pb.Decision.Name(plan.decision).removeprefix("DECISION_")
+    return Path(name) if name in Path.__members__ else Path.RECOMPUTE
+
+
 def plan_turn(directory: Directory, kind: str, session: str, model: str, prompt_tokens: int,
               placement: Placement) -> TurnPlan:
     """The turn's plan from the broker's (or from none) and the engines this router knows.
@@ -93,8 +99,7 @@ def plan_turn(directory: Directory, kind: str, session: str, model: str, prompt_
     Raises :class:`TurnError` 503 when no prefill or no decode engine serving ``model`` is known. Picks engines
     round-robin where the broker named none (the directory's counters advance: the only state touched)."""
     plan = placement.plan
-    name = pb.Decision.Name(plan.decision).removeprefix("DECISION_") if plan else ""
-    path = Path(name) if name in Path.__members__ else Path.RECOMPUTE
+    path = plan_path(plan) if plan else Path.RECOMPUTE
     reason = plan.reason if plan else placement.fallback
     prefill = directory.engines.get(plan.prefill_engine_id) if plan else None
     decode = directory.engines.get(plan.decode_engine_id) if plan else None

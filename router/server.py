@@ -226,8 +226,7 @@ class RouterApp:
         try:
             async for line in runner.decode_stream(turn):
                 if response is None:
-                    first_ms = (time.time_ns() - turn.outcome.decode_started_ns) / 1e6
-                    turn.outcome.timings_ms["decode_first"] = round(first_ms, 3)
+                    runner.first_line(turn)
                     response = web.StreamResponse(headers={"content-type": "text/event-stream",
                                                            "cache-control": "no-cache", **decision_headers(turn)})
                     await response.prepare(request)

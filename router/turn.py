@@ -37,8 +37,9 @@ from kvloop.router.errors import EngineReplyError, TurnError
 from kvloop.router.metrics import RouterMetrics
 from kvloop.router.outcome import Turn
 from kvloop.router.placement import Placer
-from kvloop.router.plan import candidates, decode_request, downgraded, plan_turn, prefill_request
+from kvloop.router.plan import candidates, decode_request, downgraded, plan_path, plan_turn, prefill_request
 from kvloop.router.records import RecordWriter, turn_record
+from kvloop.router.residuals import turn_residual
 from kvloop.router.resume import StreamLedger
 from kvloop.router.tokenizer import RouterTokenizer
 from kvloop.shared.client import plan_attributes, transfer_params
@@ -242,6 +243,23 @@ class TurnRunner:
                 turn.span.add_event(f"kvloop.{kind}", {"kvloop.engine": engine.engine_id, "error": last})
                 log.warning("router.decode_failed", engine=engine.engine_id, error=last, resume=ledger.started)
         raise TurnError(503, f"no decode engine could serve the request ({last})")
+
+    def first_line(self, turn: Turn) -> None:
+        """The decode's first streamed line has come: time it, and measure the broker's estimate on it when the
+        turn ran as the broker planned (no downgrade, the planned engines answered; :mod:`.residuals`)."""
+        now = time.monotonic()
+        turn.outcome.timings_ms["decode_first"] = round((time.time_ns() - turn.outcome.decode_started_ns) / 1e6, 3)
+        plan, broker, residuals = turn.plan, turn.plan.broker_plan, self.placer.residuals
+        if residuals is None or broker is None or plan.reason != broker.reason or plan.path != plan_path(broker):
+            return
+        if turn.outcome.prefill_engine != plan.prefill.engine_id or turn.decode.engine_id != plan.decode.engine_id:
+            return  # a fail-over: not what the planned engines cost
+        measured = turn_residual(plan.path, broker.cost, turn.outcome.timings_ms)
+        if measured is not None:
+            kind, residual_s = measured
+            residuals.observe(kind, residual_s, now)
+            turn.span.set_attribute("kvloop.residual_s", round(residual_s, 6))
+            self.metrics.residuals.labels(kind).set(residuals.estimate(kind, now))
 
     async def decode_json(self, turn: Turn) -> dict[str, Any]:
         turn.outcome.decode_started_ns = time.time_ns()

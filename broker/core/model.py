@@ -183,6 +183,9 @@ class CostEstimate:
     """The wait priced for the chosen engine's queue before it starts this prompt."""
     decode_stall_s: float = 0.0
     """DECODE_LOCAL's price for holding up the decode engine's streams (in ``decode_local_s``; 0: none)."""
+    pd_residual_s: float = 0.0
+    """The caller's measured residuals, included in the path prices above (0: none, or not applied)."""
+    decode_local_residual_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -97,6 +97,12 @@ class PlacementPolicy:
     placed_s: float = 0.2
     """A placement counts on its engines for this long, until the router that asked has sent the request and its
     own counts hold it: each Place of a burst sees the ones before it (see .in_flight)."""
+    measured_residuals: bool = True
+    """Add the caller's measured residuals (``PlaceInput.pd_residual_s``, ``decode_local_residual_s``) to the
+    paths of their kind. The idle figures (``pd_hop_s``, the measured rates) miss what load adds: on the agent
+    workload a P/D turn's prefill request and first decode took 0.4-0.7 s at 4 sessions against an estimate near
+    0.1 s, a DECODE_LOCAL turn's first token ~0.1 s more than its estimate (``kvloop bench load``, router
+    records), so the hop was chosen as "cheaper" for a quarter of the turns and cost them 3-4x the TTFT."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +114,11 @@ class PlaceInput:
     session_id: str = ""
     decode_local: bool = True
     """False: the caller wants strict disaggregation for this request."""
+    pd_residual_s: float = 0.0
+    """How much longer than estimated the caller's recent turns over the P/D hop took to their first token (its
+    router measures it: router/residuals.py); added to every P/D path's price. 0: none measured."""
+    decode_local_residual_s: float = 0.0
+    """The same for its DECODE_LOCAL turns, added to DECODE_LOCAL's price."""
 
 
 def step_room(step_tokens: int, streams: int, tail: int) -> int:
@@ -243,8 +254,13 @@ def place(
             return queued / _tps(engine, policy, fleet)[0]
         return engine.load.score * policy.queue_penalty_s if flat else 0.0
 
+    # The caller's measure of what each kind of path costs beyond its estimate under the present load.
+    pd_residual, local_residual = ((request.pd_residual_s, request.decode_local_residual_s)
+                                   if policy.measured_residuals else (0.0, 0.0))
+
     def hop(engine: EngineRecord, compute_tokens: int) -> float:
-        return policy.pd_hop_s + queue_s(engine) + compute_tokens / _tps(engine, policy, fleet)[0]
+        hop_s = max(0.0, policy.pd_hop_s + pd_residual)
+        return hop_s + queue_s(engine) + compute_tokens / _tps(engine, policy, fleet)[0]
 
     # A decode engine that can prefill too (role both) computes a prompt it is to decode in the decode request
     # itself: a prefill request to it would stall the same streams, plus a hop (two requests to one engine).
@@ -300,8 +316,9 @@ def place(
             # Its own wait and compute (the decode engine's queued tails: no flat penalty, its running requests
             # are streams, priced as the stall instead), plus what the tail costs the streams it holds up.
             stall_s = policy.decode_stall_weight * streams * tail_s
-            options.append(_Option(queue_s(decode, flat=False) + tail_s + stall_s, Decision.DECODE_LOCAL, decode,
-                                   decode_own, decode_own))
+            # A residual can take away waits the model priced, never the compute itself.
+            seconds = max(tail_s, queue_s(decode, flat=False) + tail_s + stall_s + local_residual)
+            options.append(_Option(seconds, Decision.DECODE_LOCAL, decode, decode_own, decode_own))
         elif decode_own:
             veto = blocked
     rank = {Decision.DECODE_LOCAL: 0, Decision.PREFILL_LOCAL: 1, Decision.TRANSFER: 2, Decision.RECOMPUTE: 3}
@@ -325,7 +342,8 @@ def place(
                         transfer_path_s=cheapest(Decision.TRANSFER),
                         recompute_path_s=cheapest(Decision.RECOMPUTE),
                         prefill_queue_s=queue_s(best.prefill, flat=best.decision is not Decision.DECODE_LOCAL),
-                        decode_stall_s=stall_s)
+                        decode_stall_s=stall_s, pd_residual_s=pd_residual,
+                        decode_local_residual_s=local_residual)
     reason = {
         Decision.DECODE_LOCAL: Reason.PREFILL_QUEUED if relieved else (
             Reason.DECODE_ENGINE_COMPUTES if forced else Reason.SHORT_TAIL_ON_DECODE) if decode_own else None,

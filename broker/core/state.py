@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 import re
 import uuid
 from collections import deque
@@ -61,6 +62,8 @@ class Limits:
     max_transfer_bytes_per_s: float = 1e13
     max_host_tier_blocks: int = 1 << 26
     max_step_tokens: int = 1 << 24
+    max_residual_s: float = 60.0
+    """Largest measured residual a Place may carry, either sign (a router's EWMA of seconds to first token)."""
     host_ttl_s: float = 0.0
     """Retention TTL of a lease once demoted to a host tier (0: the lease's own TTL)."""
     demotion_timeout_s: float = 30.0
@@ -725,6 +728,10 @@ class BrokerState:
                 f"num_tokens: {request.num_tokens} tokens cannot hold {len(request.keys)} full blocks",
                 field="num_tokens",
             )
+        for name in ("pd_residual_s", "decode_local_residual_s"):
+            value = getattr(request, name)
+            if not math.isfinite(value) or abs(value) > self.limits.max_residual_s:
+                raise InvalidArgument(f"{name}: {value} is not within +-{self.limits.max_residual_s} s", field=name)
         matches, session_engine = self.lease_matches(request)
         layout = (request.layout_fingerprint, request.block_size)
         members = self.fleet.members(layout)

@@ -241,4 +241,6 @@ def plan_attributes(plan: Any) -> dict[str, Any]:
             "kvloop.cost.measured": cost.measured, "kvloop.cost.decode_local_s": cost.decode_local_s,
             "kvloop.cost.prefill_local_s": cost.prefill_local_s, "kvloop.cost.transfer_path_s": cost.transfer_path_s,
             "kvloop.cost.recompute_path_s": cost.recompute_path_s,
-            "kvloop.cost.prefill_queue_s": cost.prefill_queue_s, "kvloop.cost.decode_stall_s": cost.decode_stall_s}
+            "kvloop.cost.prefill_queue_s": cost.prefill_queue_s, "kvloop.cost.decode_stall_s": cost.decode_stall_s,
+            "kvloop.cost.pd_residual_s": cost.pd_residual_s,
+            "kvloop.cost.decode_local_residual_s": cost.decode_local_residual_s}

@@ -322,7 +322,7 @@ class CompleteDemotionResponse(_message.Message):
     def __init__(self, retained: _Optional[bool] = ...) -> None: ...
 
 class PlaceRequest(_message.Message):
-    __slots__ = ("session_id", "block_keys", "num_tokens", "layout_fingerprint", "block_size", "pin", "traceparent", "no_decode_local", "in_flight", "counts_in_flight", "router_id", "in_flight_tokens")
+    __slots__ = ("session_id", "block_keys", "num_tokens", "layout_fingerprint", "block_size", "pin", "traceparent", "no_decode_local", "in_flight", "counts_in_flight", "router_id", "in_flight_tokens", "pd_residual_s", "decode_local_residual_s")
     class InFlightEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -349,6 +349,8 @@ class PlaceRequest(_message.Message):
     COUNTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PD_RESIDUAL_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_LOCAL_RESIDUAL_S_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     block_keys: _containers.RepeatedScalarFieldContainer[bytes]
     num_tokens: int
@@ -361,10 +363,12 @@ class PlaceRequest(_message.Message):
     counts_in_flight: bool
     router_id: str
     in_flight_tokens: _containers.ScalarMap[str, int]
-    def __init__(self, session_id: _Optional[str] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., pin: _Optional[bool] = ..., traceparent: _Optional[str] = ..., no_decode_local: _Optional[bool] = ..., in_flight: _Optional[_Mapping[str, int]] = ..., counts_in_flight: _Optional[bool] = ..., router_id: _Optional[str] = ..., in_flight_tokens: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    pd_residual_s: float
+    decode_local_residual_s: float
+    def __init__(self, session_id: _Optional[str] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., pin: _Optional[bool] = ..., traceparent: _Optional[str] = ..., no_decode_local: _Optional[bool] = ..., in_flight: _Optional[_Mapping[str, int]] = ..., counts_in_flight: _Optional[bool] = ..., router_id: _Optional[str] = ..., in_flight_tokens: _Optional[_Mapping[str, int]] = ..., pd_residual_s: _Optional[float] = ..., decode_local_residual_s: _Optional[float] = ...) -> None: ...
 
 class CostEstimate(_message.Message):
-    __slots__ = ("transfer_s", "recompute_s", "bandwidth_bytes_per_s", "prefill_tokens_per_s", "bytes_per_block", "measured", "decode_local_s", "prefill_local_s", "transfer_path_s", "recompute_path_s", "prefill_queue_s", "decode_stall_s")
+    __slots__ = ("transfer_s", "recompute_s", "bandwidth_bytes_per_s", "prefill_tokens_per_s", "bytes_per_block", "measured", "decode_local_s", "prefill_local_s", "transfer_path_s", "recompute_path_s", "prefill_queue_s", "decode_stall_s", "pd_residual_s", "decode_local_residual_s")
     TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
@@ -377,6 +381,8 @@ class CostEstimate(_message.Message):
     RECOMPUTE_PATH_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     DECODE_STALL_S_FIELD_NUMBER: _ClassVar[int]
+    PD_RESIDUAL_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_LOCAL_RESIDUAL_S_FIELD_NUMBER: _ClassVar[int]
     transfer_s: float
     recompute_s: float
     bandwidth_bytes_per_s: float
@@ -389,7 +395,9 @@ class CostEstimate(_message.Message):
     recompute_path_s: float
     prefill_queue_s: float
     decode_stall_s: float
-    def __init__(self, transfer_s: _Optional[float] = ..., recompute_s: _Optional[float] = ..., bandwidth_bytes_per_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., bytes_per_block: _Optional[int] = ..., measured: _Optional[bool] = ..., decode_local_s: _Optional[float] = ..., prefill_local_s: _Optional[float] = ..., transfer_path_s: _Optional[float] = ..., recompute_path_s: _Optional[float] = ..., prefill_queue_s: _Optional[float] = ..., decode_stall_s: _Optional[float] = ...) -> None: ...
+    pd_residual_s: float
+    decode_local_residual_s: float
+    def __init__(self, transfer_s: _Optional[float] = ..., recompute_s: _Optional[float] = ..., bandwidth_bytes_per_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., bytes_per_block: _Optional[int] = ..., measured: _Optional[bool] = ..., decode_local_s: _Optional[float] = ..., prefill_local_s: _Optional[float] = ..., transfer_path_s: _Optional[float] = ..., recompute_path_s: _Optional[float] = ..., prefill_queue_s: _Optional[float] = ..., decode_stall_s: _Optional[float] = ..., pd_residual_s: _Optional[float] = ..., decode_local_residual_s: _Optional[float] = ...) -> None: ...
 
 class Plan(_message.Message):
     __slots__ = ("decision", "reason", "source_engine_id", "source_addresses", "source_lease_id", "source_block_ids", "matched_blocks", "matched_tokens", "recompute_tokens", "prompt_blocks", "threshold_tokens", "cost", "prefill_engine_id", "prefill_addresses", "decode_engine_id", "decode_addresses", "decode_sticky", "session_id", "candidates", "error", "pin", "local_tokens", "pull_tokens", "decode_local_veto", "cached_tokens_seen", "error_code", "source_tier")

@@ -146,6 +146,8 @@ CASES: list[tuple[str, str, Any, grpc.StatusCode, str]] = [
     ("place-block-size", "Place", place(block_size=0), INVALID, "block_size"),
     ("place-num-tokens", "Place", place(num_tokens=5), INVALID, "num_tokens"),
     ("place-unknown-layout", "Place", place(layout_fingerprint="fp-none"), PRECONDITION, "layout_fingerprint"),
+    ("place-nan-residual", "Place", place(pd_residual_s=float("nan")), INVALID, "pd_residual_s"),
+    ("place-huge-residual", "Place", place(decode_local_residual_s=-1e9), INVALID, "decode_local_residual_s"),
     # RenewLease / ReleaseLease
     ("renew-unknown", "RenewLease", pb.RenewLeaseRequest(lease_id="nope"), NOT_FOUND, "lease_id"),
     ("renew-ttl-negative", "RenewLease", pb.RenewLeaseRequest(lease_id=LEASE, ttl_s=-1), INVALID, "ttl_s"),

@@ -28,11 +28,13 @@ def lease_on(eid: str, blocks: int) -> Lease:
 
 
 def plan_for(num_tokens: int, engines: list[EngineRecord], *, lease: tuple[str, int] | None = None,
-             cached: dict[str, int] | None = None, policy: PlacementPolicy | None = None) -> Any:
+             cached: dict[str, int] | None = None, policy: PlacementPolicy | None = None,
+             residuals: tuple[float, float] = (0.0, 0.0)) -> Any:
     keys = block_keys(list(range(num_tokens)), BS, ExtraKeys(FP))
     matches = [Match(lease_on(*lease), lease[1])] if lease else []
-    return place(PlaceInput(keys, num_tokens, FP, BS, "s"), engines, matches, policy or PlacementPolicy(),
-                 cached=cached)
+    request = PlaceInput(keys, num_tokens, FP, BS, "s", pd_residual_s=residuals[0],
+                         decode_local_residual_s=residuals[1])
+    return place(request, engines, matches, policy or PlacementPolicy(), cached=cached)
 
 
 def cluster(**decode_load: Any) -> list[EngineRecord]:
@@ -85,6 +87,33 @@ def test_decode_local_loses_to_a_cheaper_path() -> None:
     engines = [engine("p", Role.PREFILL, prefill_tokens_per_s=1e6), engine("d", Role.DECODE, prefill_tokens_per_s=500)]
     plan = plan_for(64 * BS + 100, engines, lease=("d", 64))
     assert plan.decision is not Decision.DECODE_LOCAL and plan.decode_local_veto == "costlier"
+
+
+def test_the_routers_measured_residuals_price_the_paths_of_their_kind() -> None:
+    """The decode engine has 1,500 tail tokens queued (0.15 s at 10,000 tokens/s): at the idle hop (80 ms) a pull
+    to a prefill engine is cheaper. A router that measured its P/D turns 0.4 s over their estimates keeps the tail
+    on the decode engine; one that measured its DECODE_LOCAL turns 0.5 s over sends it over the hop again."""
+    def busy() -> list[EngineRecord]:
+        return [engine("p", Role.PREFILL, prefill_tokens_per_s=10_000, queued_prefill_tokens=0),
+                engine("d", Role.DECODE, prefill_tokens_per_s=10_000, queued_prefill_tokens=1500)]
+
+    tokens = 64 * BS + 100
+    idle = plan_for(tokens, busy(), lease=("d", 64))
+    assert (idle.decision, idle.decode_local_veto) == (Decision.TRANSFER, "costlier")
+    measured = plan_for(tokens, busy(), lease=("d", 64), residuals=(0.4, 0.0))
+    assert (measured.decision, measured.decode_local_veto) == (Decision.DECODE_LOCAL, "")
+    assert measured.cost.transfer_path_s == pytest.approx(idle.cost.transfer_path_s + 0.4)
+    assert measured.cost.pd_residual_s == 0.4 and measured.cost.decode_local_residual_s == 0.0
+    both = plan_for(tokens, busy(), lease=("d", 64), residuals=(0.4, 0.5))
+    assert both.decision is Decision.TRANSFER
+    assert both.cost.decode_local_s == pytest.approx(idle.cost.decode_local_s + 0.5)
+    off = plan_for(tokens, busy(), lease=("d", 64), residuals=(0.4, 0.0),
+                   policy=PlacementPolicy(measured_residuals=False))
+    assert off.decision is Decision.TRANSFER and off.cost.pd_residual_s == 0.0
+    # A negative residual lowers a price, never below the path's compute.
+    faster = plan_for(tokens, busy(), lease=("d", 64), residuals=(-1.0, -1.0))
+    assert faster.cost.decode_local_s == pytest.approx(100 / 10_000)
+    assert faster.cost.transfer_path_s == pytest.approx(idle.cost.transfer_path_s - 0.08)
 
 
 def test_a_prefill_engine_with_the_prefix_in_its_own_cache_serves_it_without_a_pull() -> None:
