@@ -99,8 +99,8 @@ async def test_each_role_gets_its_calls_and_nothing_else(start_broker, tmp_path:
         local.counts_in_flight, local.router_id = True, "any name: the token names the router"
         idle = await router.Place(local, timeout=5)
         assert (idle.decision, idle.decode_local_veto) == (pb.DECISION_DECODE_LOCAL, "")
-        # 30 streams held up by the 128-token tail's 26 ms (the default 5,000 tokens/s): over the 0.5 s budget.
-        local.in_flight["dec-1"] = 30
+        # 100 streams held up by the 128-token tail's 26 ms (the default 5,000 tokens/s): over the 2 s budget.
+        local.in_flight["dec-1"] = 100
         assert (await router.Place(local, timeout=5)).decode_local_veto == "decode_busy"
         # 2 streams, but 20,000 tokens queued there (4 s): the tail is cheaper elsewhere.
         local.in_flight["dec-1"], local.in_flight_tokens["dec-1"] = 2, 20_000

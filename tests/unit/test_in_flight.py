@@ -92,9 +92,9 @@ def test_a_stale_busy_report_no_longer_vetoes_once_the_router_counts_the_engine_
     assert _place(state, tokens, now=2.0) == (Decision.TRANSFER, "decode_busy")  # the report alone: vetoed
     state.report_in_flight("router", {}, now=2.0)
     assert _place(state, tokens, now=2.0) == (Decision.DECODE_LOCAL, "")
-    # The router's own streams: 30 of them, each held up by the 100-token tail's 20 ms (the default 5,000
-    # tokens/s), 0.6 stream-seconds over the 0.5 s budget: really busy.
-    state.report_in_flight("router", {"d": 30}, now=3.0)
+    # The router's own streams: 120 of them, each held up by the 100-token tail's 20 ms (the default 5,000
+    # tokens/s), 2.4 stream-seconds over the 2 s budget: really busy.
+    state.report_in_flight("router", {"d": 120}, now=3.0)
     assert _place(state, tokens, now=3.0) == (Decision.TRANSFER, "decode_busy")
     # Past the TTL the router's counts stand for nothing: the sidecars' reports are back.
     assert _place(state, tokens, now=3.0 + state.placement_policy.in_flight_ttl_s + 1) == (Decision.TRANSFER,
@@ -132,11 +132,11 @@ def test_the_routers_counter_counts_while_a_request_runs_even_when_it_fails() ->
 
 
 def test_the_busy_veto_follows_from_the_stall_budget_not_a_count() -> None:
-    """Ten streams: a 100-token tail holds them up 10 x 20 ms, inside the 0.5 s budget; a 400-token tail
-    10 x 80 ms, over it (the stall left unpriced here, to see the budget alone)."""
+    """Thirty streams: a 100-token tail holds them up 30 x 20 ms, inside the 2 s budget; a 400-token tail
+    30 x 80 ms, over it (the stall left unpriced here, to see the budget alone)."""
     state = _state(PlacementPolicy(decode_stall_weight=0.0))
     tokens = _retained_turn(state)
-    state.report_in_flight("router", {"d": 10}, now=2.0)
+    state.report_in_flight("router", {"d": 30}, now=2.0)
     assert _place(state, tokens, now=2.0) == (Decision.DECODE_LOCAL, "")
     assert _place(state, [*tokens, *range(300)], now=2.0) == (Decision.TRANSFER, "decode_busy")
 

@@ -54,7 +54,7 @@ def test_a_short_tail_runs_on_the_decode_engine_that_holds_the_prefix() -> None:
     (64 * BS + 600, 64, {}, PlacementPolicy(), "tail_tokens"),          # 600 > 512 uncached tokens
     (10 * BS + 200, 10, {}, PlacementPolicy(), "tail_share"),           # 200 of 360 tokens is over half
     (64 * BS + 100, 64, {"waiting_requests": 1}, PlacementPolicy(), "decode_busy"),
-    (64 * BS + 100, 64, {"running_requests": 30}, PlacementPolicy(), "decode_busy"),  # 30 x 20 ms > 0.5 s
+    (64 * BS + 100, 64, {"running_requests": 120}, PlacementPolicy(), "decode_busy"),  # 120 x 20 ms > 2 s
     (64 * BS + 100, 64, {}, PlacementPolicy(decode_local=False), "disabled"),
 ])
 def test_decode_local_is_vetoed_by_each_knob(tokens: int, lease_blocks: int, load: dict[str, Any],
@@ -240,7 +240,7 @@ def test_the_decode_engine_relieves_queued_prefill_engines_of_a_fresh_prompt() -
     (1000, {}, PlacementPolicy(), "a queue of 0.1 s: a prefill engine starts it before the decode engine is done"),
     (None, {}, PlacementPolicy(), "no router counts the prefill engines' queues"),
     (5000, {}, PlacementPolicy(prefill_relief=False), "relief off"),
-    (5000, {"running_requests": 3}, PlacementPolicy(), "3 streams x 0.2 s is over the 0.5 stream-second budget"),
+    (5000, {"running_requests": 11}, PlacementPolicy(), "11 streams x 0.2 s is over the 2 stream-second budget"),
     (5000, {"waiting_requests": 1}, PlacementPolicy(), "the decode engine has a queue of its own"),
 ])
 def test_no_relief(queued: int | None, decode_load: dict[str, Any], policy: PlacementPolicy, why: str) -> None:
