@@ -216,7 +216,9 @@ async def start_config(name: str, model: Path, work: Path, size: Sizing, timeout
     if name.startswith("kvloop"):
         # kvloop_pd: the same cluster, its router asking for strict P/D (no DECODE_LOCAL): the decode engine's
         # inter-token latency without tails computed on it, and what DECODE_LOCAL adds to TTFT.
-        router: dict[str, Any] = {"request_timeout_s": timeout_s, "decode_local": name != "kvloop_pd"}
+        # The router tokenizes with the model's own tokenizer, as `kvloop up` starts it (no /tokenize round trip).
+        router: dict[str, Any] = {"request_timeout_s": timeout_s, "decode_local": name != "kvloop_pd",
+                                  "tokenizer": str(model)}
         if records is not None:
             router["records_path"] = str(records)
         cluster = await LocalCluster.start(lambda broker: pd("kvloop", broker, {}), work, separate_broker=True,
