@@ -46,12 +46,11 @@ class RouterConfig(ServiceConfig):
     records_path: Path | None = setting(None, "append one JSON line per finished turn here, for kvloop analyze "
                                               "(lengths, block-key digests, path, tokens, TTFT; no text or token "
                                               "ids); unset = no records")
-    residual_half_life_s: float = setting(30.0, "measure the broker's estimates on this router's turns (per kind of "
-                                                "path, seconds to first token beyond the plan's estimate) and send "
-                                                "them with each placement, the figure decaying to 0 with this "
-                                                "half-life since that kind's last turn (router/residuals.py); 0 = "
-                                                "measure and send none")
-    residual_weight: float = setting(0.2, "weight of each new turn in the measured residuals' moving mean")
+    residual_window_s: float = setting(30.0, "measure the broker's estimates on this router's turns (per kind of "
+                                             "path, seconds to first token beyond the plan's estimate) and send "
+                                             "with each placement the median of the last turns within this many "
+                                             "seconds (router/residuals.py); 0 = measure and send none")
+    residual_samples: int = setting(16, "most recent turns of each kind of path in the measured residual's median")
     refresh_s: float = setting(2.0, "how often the engine list is refreshed from the broker")
     unlisted_grace_s: float = setting(60.0, "an engine the broker stops listing stays a last resort this long: used "
                                             "when no engine of its role is listed, or after every listed one failed "
@@ -100,8 +99,8 @@ class RouterConfig(ServiceConfig):
         for name in ("request_timeout_s", "broker_timeout_s", "refresh_s", "engine_stall_s"):
             self._require(getattr(self, name) > 0, name, "must be positive")
         self._require(self.unlisted_grace_s >= 0, "unlisted_grace_s", "must be 0 or more")
-        self._require(self.residual_half_life_s >= 0, "residual_half_life_s", "must be 0 or more")
-        self._require(0 < self.residual_weight <= 1, "residual_weight", "must be in (0, 1]")
+        self._require(self.residual_window_s >= 0, "residual_window_s", "must be 0 or more")
+        self._require(4 <= self.residual_samples <= 1024, "residual_samples", "must be within 4..1024")
         check_files(self, "tls_", server=True)
         check_files(self, "broker_tls_", server=False)
         check_token_file(self, "broker_token_file")

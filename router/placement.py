@@ -57,8 +57,8 @@ class Placer:
         self.router_id = process_name()
         """Names this router's in-flight counts where the broker authenticates nobody (development)."""
         self.recent = RecentTurns(config.publication_wait_s)
-        self.residuals = PathResiduals(config.residual_weight, config.residual_half_life_s) \
-            if config.residual_half_life_s > 0 else None
+        self.residuals = PathResiduals(config.residual_window_s, config.residual_samples) \
+            if config.residual_window_s > 0 else None
         """This router's measure of the broker's estimates, sent with each placement (None: measures none)."""
         self.broker_answered = False
         """Whether the last ``Inspect`` got an answer: without a layout, the turn's fallback is then ``no_layout``

@@ -11,21 +11,23 @@ plan estimated ~0.1 s, while DECODE_LOCAL turns missed their estimates by ~0.1 s
 - A turn's residual is its measured seconds (pin, prefill and the decode's first streamed line, as timed in
   ``TurnOutcome.timings_ms``) minus the plan's estimate of its path without the residual the broker had added
   (the plan's cost carries it), so the figure measures the model, not the previous correction.
-- An exponentially weighted mean over turns (``weight`` per turn), starting at 0 (the model's own estimate, so a
-  cold engine's first slow turn moves it by a fraction) and decaying back towards 0 with ``half_life_s`` since
-  the kind's last turn: a kind its residual prices out is priced by the model again
-  after a while, and the next turn of that kind measures it anew; a burst's figure does not stand forever.
+- The estimate is the median of the kind's last ``samples`` turns within ``window_s``: robust to the turns one
+  engine stall holds up together (an exponentially weighted mean, tried first, took five DECODE_LOCAL turns held
+  5 s by one stall as a 3 s price and sent every turn over the hop for the rest of the run). With fewer than
+  ``min_samples`` turns the median is scaled by their share of ``min_samples``, so thin evidence moves the price
+  a little. With none in the window it is 0 (the model's own estimate): a kind its residual priced out is priced
+  by the model again once its turns have aged out, and its next turn measures it anew.
 - Only turns that ran as the broker planned count: no fallback, the planned engines answered, a first token
-  streamed. Each turn's figure is clamped to ``bound_s`` (one stalled turn moves the mean by at most
-  ``weight * bound_s``).
+  streamed.
 
 Pure: time is an argument. Tested in ``tests/unit/test_residuals.py``.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
+from statistics import median
 
 from kvloop.shared.vocabulary import Path
 from kvloop.v1 import broker_pb2 as pb
@@ -54,27 +56,21 @@ def turn_residual(path: str, cost: pb.CostEstimate, timings_ms: Mapping[str, flo
     return kind, measured_s - (estimate - applied)
 
 
-@dataclass
-class _Mean:
-    value: float
-    seen: float
-
-
 class PathResiduals:
-    def __init__(self, weight: float = 0.2, half_life_s: float = 30.0, bound_s: float = 30.0) -> None:
-        if not (0 < weight <= 1 and half_life_s > 0 and bound_s > 0):
-            raise ValueError("weight must be in (0, 1], half_life_s and bound_s positive")
-        self.weight, self.half_life_s, self.bound_s = weight, half_life_s, bound_s
-        self._means: dict[str, _Mean] = {}
+    def __init__(self, window_s: float = 30.0, samples: int = 16, min_samples: int = 4) -> None:
+        if not (window_s > 0 and samples >= 1 and 1 <= min_samples <= samples):
+            raise ValueError("window_s must be positive, 1 <= min_samples <= samples")
+        self.window_s, self.samples, self.min_samples = window_s, samples, min_samples
+        self._turns: dict[str, deque[tuple[float, float]]] = {}
 
     def observe(self, kind: str, residual_s: float, now: float) -> None:
-        residual_s = max(-self.bound_s, min(self.bound_s, residual_s))
-        current = self.estimate(kind, now)
-        self._means[kind] = _Mean(current + self.weight * (residual_s - current), now)
+        self._turns.setdefault(kind, deque(maxlen=self.samples)).append((now, residual_s))
 
     def estimate(self, kind: str, now: float) -> float:
-        """The kind's residual now: 0 before any turn of it was measured."""
-        mean = self._means.get(kind)
-        if mean is None:
+        """The kind's residual now: 0 with no turn of it in the window."""
+        turns = self._turns.get(kind)
+        while turns and now - turns[0][0] > self.window_s:
+            turns.popleft()
+        if not turns:
             return 0.0
-        return mean.value * 0.5 ** (max(0.0, now - mean.seen) / self.half_life_s)
+        return median(r for _, r in turns) * min(1.0, len(turns) / self.min_samples)

@@ -1,5 +1,5 @@
 """The router's measured residuals of the broker's estimates (router/residuals.py): what a turn's residual is,
-and how the moving mean follows turns and decays when none come."""
+and how its estimate follows turns, ignores a stall and forgets old turns."""
 
 from __future__ import annotations
 
@@ -23,32 +23,39 @@ def test_a_turns_residual_is_its_measured_time_less_the_estimate_the_broker_made
                                                                                                 DECODE_LOCAL]
 
 
-def test_the_mean_starts_at_the_models_estimate_and_follows_turns() -> None:
-    r = PathResiduals(weight=0.5, half_life_s=10.0)
+def test_the_estimate_is_the_median_of_the_kinds_recent_turns() -> None:
+    r = PathResiduals(window_s=10.0, samples=5, min_samples=1)
     assert r.estimate(PD, 0.0) == 0.0
-    r.observe(PD, 0.4, 0.0)
-    assert r.estimate(PD, 0.0) == pytest.approx(0.2)
-    r.observe(PD, 0.4, 0.0)
-    assert r.estimate(PD, 0.0) == pytest.approx(0.3)
-    assert r.estimate(DECODE_LOCAL, 0.0) == 0.0  # each kind its own
+    for t, x in enumerate((0.3, 0.5, 0.4)):
+        r.observe(PD, x, float(t))
+    assert r.estimate(PD, 3.0) == pytest.approx(0.4)
+    assert r.estimate(DECODE_LOCAL, 3.0) == 0.0  # each kind its own
+    for t in range(3, 8):  # only the last 5 count
+        r.observe(PD, 0.1, float(t))
+    assert r.estimate(PD, 8.0) == pytest.approx(0.1)
 
 
-def test_the_mean_decays_to_the_models_estimate_while_no_turn_of_its_kind_comes() -> None:
-    r = PathResiduals(weight=1.0, half_life_s=10.0)
-    r.observe(PD, 0.4, 100.0)
-    assert r.estimate(PD, 110.0) == pytest.approx(0.2)
-    assert r.estimate(PD, 130.0) == pytest.approx(0.05)
-    r.observe(PD, 0.1, 110.0)  # from the decayed figure, not the stale one
-    assert r.estimate(PD, 110.0) == pytest.approx(0.1)
+def test_the_turns_one_stall_holds_up_together_do_not_move_the_price() -> None:
+    """Eleven ordinary DECODE_LOCAL turns 0.1 s over, then five held 5 s by one engine stall."""
+    r = PathResiduals(window_s=30.0, samples=16)
+    for t in range(11):
+        r.observe(DECODE_LOCAL, 0.1, float(t))
+    for t in range(5):
+        r.observe(DECODE_LOCAL, 5.0, 11.0 + t / 10)
+    assert r.estimate(DECODE_LOCAL, 12.0) == pytest.approx(0.1)
 
 
-def test_one_stalled_turn_moves_the_mean_by_a_bounded_step() -> None:
-    r = PathResiduals(weight=0.2, half_life_s=30.0, bound_s=5.0)
-    r.observe(DECODE_LOCAL, 3600.0, 0.0)
-    assert r.estimate(DECODE_LOCAL, 0.0) == pytest.approx(1.0)
+def test_thin_evidence_moves_the_price_a_little_and_old_turns_age_out() -> None:
+    r = PathResiduals(window_s=10.0, samples=16, min_samples=4)
+    r.observe(PD, 0.8, 100.0)
+    assert r.estimate(PD, 100.0) == pytest.approx(0.2)  # one turn of the four the median needs in full
+    r.observe(PD, 0.8, 101.0)
+    assert r.estimate(PD, 101.0) == pytest.approx(0.4)
+    assert r.estimate(PD, 110.5) == pytest.approx(0.2)  # the first turn has aged out
+    assert r.estimate(PD, 111.5) == 0.0  # back to the model's own estimate
 
 
-@pytest.mark.parametrize("args", [(0.0, 30.0), (1.5, 30.0), (0.2, 0.0)])
-def test_bad_settings_are_refused(args: tuple[float, float]) -> None:
+@pytest.mark.parametrize("args", [(0.0, 16, 4), (30.0, 0, 1), (30.0, 4, 5), (30.0, 16, 0)])
+def test_bad_settings_are_refused(args: tuple[float, int, int]) -> None:
     with pytest.raises(ValueError):
         PathResiduals(*args)

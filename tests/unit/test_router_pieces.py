@@ -176,10 +176,10 @@ def test_router_config_names_the_bad_field() -> None:
     with pytest.raises(ConfigError, match=r"^broker_timeout_s"):
         RouterConfig.load({}, env={"KVLOOP_ROUTER_BROKER": "127.0.0.1:1", "KVLOOP_ROUTER_BROKER_TIMEOUT_S": "0"})
     assert RouterConfig.load({}, env={"KVLOOP_ROUTER_BROKER": "127.0.0.1:1"}).listen == "127.0.0.1:8080"
-    with pytest.raises(ConfigError, match=r"^residual_weight"):
-        RouterConfig.load({}, env={"KVLOOP_ROUTER_BROKER": "127.0.0.1:1", "KVLOOP_ROUTER_RESIDUAL_WEIGHT": "0"})
-    with pytest.raises(ConfigError, match=r"^residual_half_life_s"):
-        RouterConfig.load({}, env={"KVLOOP_ROUTER_BROKER": "127.0.0.1:1", "KVLOOP_ROUTER_RESIDUAL_HALF_LIFE_S": "-1"})
+    with pytest.raises(ConfigError, match=r"^residual_samples"):
+        RouterConfig.load({}, env={"KVLOOP_ROUTER_BROKER": "127.0.0.1:1", "KVLOOP_ROUTER_RESIDUAL_SAMPLES": "2"})
+    with pytest.raises(ConfigError, match=r"^residual_window_s"):
+        RouterConfig.load({}, env={"KVLOOP_ROUTER_BROKER": "127.0.0.1:1", "KVLOOP_ROUTER_RESIDUAL_WINDOW_S": "-1"})
 
 
 def test_recent_turns_expect_the_longest_answered_prompt_this_one_extends() -> None:
