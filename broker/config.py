@@ -99,6 +99,8 @@ class BrokerConfig(ServiceConfig):
     decode_local_stall_budget_s: float = setting(_policy("decode_local_stall_budget_s"),
         "DECODE_LOCAL only while the tail's compute time times the decode engine's streams is at most this many "
         "stream-seconds, none queued (the busy veto: a tail never holds up the streams for more)")
+    relief_stall_budget_s: float = setting(_policy("relief_stall_budget_s"),
+        "the busy veto's budget, in stream-seconds, for a prompt only prefill relief puts on the decode engine")
     prefill_relief: bool = setting(_policy("prefill_relief"),
         "let a decode engine compute a prompt of any length (or one it holds nothing of) when every other prefill "
         "engine's counted queue alone outlasts its compute there; the stall and step vetoes still apply")
@@ -171,6 +173,7 @@ class BrokerConfig(ServiceConfig):
         for name in ("threshold_tokens", "transfer_overhead_s", "sticky_load_gap", "shared_prefix_load_gap",
                      "shutdown_grace_s", "pd_hop_s",
                      "queue_penalty_s", "decode_local_max_tokens", "decode_local_stall_budget_s",
+                     "relief_stall_budget_s",
                      "decode_stall_weight", "placed_s"):
             self._require(getattr(self, name) >= 0, name, "must not be negative")
         self._require(self.host_ttl_s == 0 or self.min_ttl_s <= self.host_ttl_s <= self.max_ttl_s, "host_ttl_s",

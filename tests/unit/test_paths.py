@@ -240,12 +240,25 @@ def test_the_decode_engine_relieves_queued_prefill_engines_of_a_fresh_prompt() -
     (1000, {}, PlacementPolicy(), "a queue of 0.1 s: a prefill engine starts it before the decode engine is done"),
     (None, {}, PlacementPolicy(), "no router counts the prefill engines' queues"),
     (5000, {}, PlacementPolicy(prefill_relief=False), "relief off"),
-    (5000, {"running_requests": 11}, PlacementPolicy(), "11 streams x 0.2 s is over the 2 stream-second budget"),
+    (5000, {"running_requests": 3}, PlacementPolicy(), "3 streams x 0.2 s is over relief's 0.5 stream-second budget"),
     (5000, {"waiting_requests": 1}, PlacementPolicy(), "the decode engine has a queue of its own"),
 ])
 def test_no_relief(queued: int | None, decode_load: dict[str, Any], policy: PlacementPolicy, why: str) -> None:
     plan = plan_for(2000, relief_cluster(queued, **decode_load), policy=policy)
     assert plan.decision is Decision.RECOMPUTE and plan.prefill.engine_id in ("p1", "p2"), why
+
+
+def test_relief_is_held_to_a_stricter_stall_budget_than_a_sessions_own_tail() -> None:
+    """Twelve streams on the decode engine, the prefill engines queued: its own 400-token tail holds them up
+    12 x 40 ms, inside the tails' 2 stream-seconds; a 600-token tail only relief would let on it, 12 x 60 ms, over
+    relief's 0.5."""
+    own = plan_for(64 * BS + 400, relief_cluster(5000, running_requests=12), lease=("d", 64))
+    assert (own.decision, own.reason) == (Decision.DECODE_LOCAL, "short_tail_on_decode")
+    long = plan_for(64 * BS + 600, relief_cluster(5000, running_requests=12), lease=("d", 64))
+    assert (long.decision, long.decode_local_veto) == (Decision.TRANSFER, "decode_busy")
+    lenient = plan_for(64 * BS + 600, relief_cluster(5000, running_requests=12), lease=("d", 64),
+                       policy=PlacementPolicy(relief_stall_budget_s=2.0))
+    assert (lenient.decision, lenient.reason) == (Decision.DECODE_LOCAL, "prefill_queued")
 
 
 def test_relief_lifts_the_length_vetoes_only() -> None:

@@ -219,3 +219,13 @@ def test_a_tokenizer_that_cannot_load_is_a_config_error_naming_the_field(tmp_pat
     with pytest.raises(ConfigError) as exc:
         RouterTokenizer(str(tmp_path / "no-such-model"))
     assert exc.value.field == "tokenizer" and "no-such-model" in exc.value.message
+
+
+def test_the_prompt_length_that_decides_where_the_router_tokenizes() -> None:
+    from kvloop.router.turn import prompt_chars
+
+    assert prompt_chars({"prompt": "abc"}) == 3
+    assert prompt_chars({"messages": [{"role": "user", "content": "ab"}, {"role": "x", "content": "cde"}]}) == 5
+    # Content parts and odd shapes count nothing here: the tokenizer then hands the request to an engine anyway.
+    assert prompt_chars({"messages": [{"role": "user", "content": [{"type": "text", "text": "ab"}]}, "x"]}) == 0
+    assert prompt_chars({"prompt": [1, 2, 3]}) == 0 and prompt_chars({}) == 0
