@@ -52,11 +52,13 @@ __all__ = ["CHAT_TEMPLATE_FIELDS", "Turn", "TurnError", "TurnRunner"]
 INLINE_TOKENIZE_CHARS = 65536
 """Prompts up to this many characters are tokenized in the event loop: a few ms of CPU (a 13.8k-token prompt took
 8.8 ms here, a 3.2k one 2.3 ms). Handed to a thread, a tokenization waits for the GIL behind the loop's own work,
-and its result for the loop: at 16 sessions of the agent workload the router's tokenizing of ~3k-token prompts
-took 124 ms on average and 1.1 s at p99 (``kvloop bench load``, router records). Longer prompts still go to a
-thread, so that one cannot stall the streams the loop relays for long."""
+and its result for the loop: at 16 sessions of the agent workload the router's tokenize step took 124 ms on average
+with the thread and 16.5 ms inline (``kvloop bench load``, router records; two runs, the first with idle engines of
+a stopped run still up, so not a clean comparison). Longer prompts still go to a thread, so that one cannot stall
+the streams the loop relays for long."""
 
 log = structlog.get_logger("kvloop.router")
+tracer = trace.get_tracer("kvloop.router")
 
 
 def prompt_chars(body: dict[str, Any]) -> int:
@@ -68,7 +70,6 @@ def prompt_chars(body: dict[str, Any]) -> int:
     if not isinstance(messages, list):
         return 0
     return sum(len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str))
-tracer = trace.get_tracer("kvloop.router")
 
 
 class TurnRunner:
