@@ -215,6 +215,12 @@ async def test_each_path_is_taken_when_it_should_be_and_answers_match_recompute(
             assert attrs["kvloop.prefill_engine"] == pd_engines.prefill.engine_id
     # Each turn is retained on the decode engine, DECODE_LOCAL ones too: the last turn's lease covers its prompt.
     assert spans[3].attributes["kvloop.local_tokens"] > spans[2].attributes["gen_ai.usage.input_tokens"] - 128
+    # The streamed DECODE_LOCAL turn measured the broker's estimate (router/residuals.py), and the next placement
+    # carried it to the broker, which priced with it: one turn of the four the median needs in full.
+    assert "kvloop.residual_s" not in spans[2].attributes  # not streamed: no first token timed
+    residual = spans[3].attributes["kvloop.residual_s"]
+    assert spans[4].attributes["kvloop.cost.decode_local_residual_s"] == pytest.approx(residual / 4, abs=1e-5)
+    assert spans[4].attributes["kvloop.cost.pd_residual_s"] == 0.0
 
 
 async def test_edited_history_reuses_only_the_unchanged_prefix(router: RunningRouter, pd_engines: PDEngines) -> None:
