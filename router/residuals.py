@@ -18,7 +18,8 @@ plan estimated ~0.1 s, while DECODE_LOCAL turns missed their estimates by ~0.1 s
   a little. With none in the window it is 0 (the model's own estimate): a kind its residual priced out is priced
   by the model again once its turns have aged out, and its next turn measures it anew.
 - Only turns that ran as the broker planned count: no fallback, the planned engines answered, a first token
-  streamed.
+  streamed. The estimate is clamped to the wire's bound (``MAX_RESIDUAL_S``): past it the broker would refuse
+  the placements themselves.
 
 Pure: time is an argument. Tested in ``tests/unit/test_residuals.py``.
 """
@@ -29,6 +30,7 @@ from collections import deque
 from collections.abc import Mapping
 from statistics import median
 
+from kvloop.shared.protocol import MAX_RESIDUAL_S
 from kvloop.shared.vocabulary import Path
 from kvloop.v1 import broker_pb2 as pb
 
@@ -73,4 +75,5 @@ class PathResiduals:
             turns.popleft()
         if not turns:
             return 0.0
-        return median(r for _, r in turns) * min(1.0, len(turns) / self.min_samples)
+        estimate = median(r for _, r in turns) * min(1.0, len(turns) / self.min_samples)
+        return max(-MAX_RESIDUAL_S, min(MAX_RESIDUAL_S, estimate))

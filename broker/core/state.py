@@ -63,7 +63,9 @@ class Limits:
     max_host_tier_blocks: int = 1 << 26
     max_step_tokens: int = 1 << 24
     max_residual_s: float = 60.0
-    """Largest measured residual a Place may carry, either sign (a router's median of seconds to first token)."""
+    """Largest measured residual a Place may carry, either sign (a router's median of seconds to first token): the
+    wire's ``kvloop.shared.protocol.MAX_RESIDUAL_S``, which routers clamp to (the core imports no protocol module;
+    tests/unit/test_residuals.py holds the two equal)."""
     host_ttl_s: float = 0.0
     """Retention TTL of a lease once demoted to a host tier (0: the lease's own TTL)."""
     demotion_timeout_s: float = 30.0

@@ -33,6 +33,10 @@ DEFAULT_HOLD_S = 120.0
 broker's lease lives, so it only bounds how long blocks outlive a dead sidecar. Must exceed the broker's engine
 TTL (the sidecar warns otherwise)."""
 
+MAX_RESIDUAL_S = 60.0
+"""The largest measured residual (``PlaceRequest.pd_residual_s``, ``decode_local_residual_s``) a router sends and a
+broker accepts, either sign: the router clamps to it, so turns that stalled longer never get its placements refused."""
+
 KV_EVENTS_TOPIC = "kvloop"
 """The ZMQ topic of the KV cache events an engine publishes for its sidecar (``--kv-events-config``)."""
 

@@ -55,6 +55,20 @@ def test_thin_evidence_moves_the_price_a_little_and_old_turns_age_out() -> None:
     assert r.estimate(PD, 111.5) == 0.0  # back to the model's own estimate
 
 
+def test_the_estimate_stays_within_what_the_broker_accepts() -> None:
+    """Turns held past the broker's bound (a stalled engine, a 600 s request timeout) must not get the router's
+    placements refused: the estimate is clamped to it."""
+    from kvloop.broker.core.state import Limits
+    from kvloop.shared.protocol import MAX_RESIDUAL_S
+
+    assert Limits().max_residual_s == MAX_RESIDUAL_S
+    r = PathResiduals(window_s=1000.0, samples=4, min_samples=1)
+    for t in range(4):
+        r.observe(PD, 500.0, float(t))
+        r.observe(DECODE_LOCAL, -500.0, float(t))
+    assert r.estimate(PD, 4.0) == MAX_RESIDUAL_S and r.estimate(DECODE_LOCAL, 4.0) == -MAX_RESIDUAL_S
+
+
 @pytest.mark.parametrize("args", [(0.0, 16, 4), (30.0, 0, 1), (30.0, 4, 5), (30.0, 16, 0)])
 def test_bad_settings_are_refused(args: tuple[float, int, int]) -> None:
     with pytest.raises(ValueError):
