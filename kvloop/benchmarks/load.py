@@ -75,6 +75,7 @@ from kvloop.benchmarks.multiturn import (
     start_config,
 )
 from kvloop.benchmarks.stats import STALL_S, health, markdown_table, show
+from kvloop.benchmarks.warmup import WarmUp, warm_up
 from kvloop.cluster import LocalCluster
 from kvloop.engine_set import EngineSet, start_engines
 from kvloop.engines.config import DECODE_STEP_TOKENS, default_work_dir, split_cores
@@ -356,6 +357,13 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         router = cluster.router.url if cluster is not None and cluster.router is not None else None
         points = []
         try:
+            warm_s = None
+            if args.warmup_sessions:
+                spec = WarmUp(sessions=args.warmup_sessions, prompt_words=args.system_tokens,
+                              turn_words=args.user_tokens)
+                warm_s = round(await warm_up(url, model.name, spec, args.timeout_s), 1)
+                print(f"   {name}: warmed up in {warm_s:g} s ({spec.rounds} x {spec.sessions} sessions of "
+                      f"{spec.turns} turns)", flush=True)
             for i, value in enumerate(loads):
                 load = load_for(args, value, trace_file)
                 point = await run_point(name, value, url, router, engines, load, args, model, exe,
@@ -373,7 +381,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 await asyncio.to_thread(engines.stop)
         by_load = {p["load"]: p for p in points}
         configs[name] = {"points": points, "knee_90": knee(by_load, 0.90), "knee_99": knee(by_load, 0.99),
-                         "healthy": all(p["health"]["healthy"] for p in points)}
+                         "healthy": all(p["health"]["healthy"] for p in points), "warmup_s": warm_s}
     workload: dict[str, Any] = ({"kind": "trace", "file": str(args.trace), "length_scale": args.trace_length_scale,
                                  "slowed": args.trace_slow, "seconds": args.trace_seconds,
                                  "block_size": args.trace_block_size, "load_axis": "replay speed"}
@@ -419,6 +427,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace-seconds", type=float, default=60.0, help="the first this many seconds of it")
     parser.add_argument("--trace-concurrency", type=int, default=64, help="most requests in flight in a replay")
     add_topology_arguments(parser)
+    parser.add_argument("--warmup-sessions", type=int, default=4, help="chat sessions of the bench's own text sent "
+                        "together (three rounds) to each configuration before its first point, so that no point pays "
+                        "what a new cluster pays once (kvloop.benchmarks.warmup); 0: none")
     parser.add_argument("--timeout-s", type=float, default=120.0, help="a request's deadline")
     parser.add_argument("--point-timeout-s", type=float, default=1200.0, help="one load point's deadline")
     parser.add_argument("--seed", type=int, default=0)
@@ -448,6 +459,8 @@ def validate(args: argparse.Namespace) -> str:
         return problem
     if args.trace is not None and not args.trace.is_file():
         return f"--trace: no file {args.trace}"
+    if args.warmup_sessions < 0:
+        return "--warmup-sessions: 0 (none) or more"
     if args.ttft_slo_ms <= 0 or args.itl_slo_ms <= 0:
         return "--ttft-slo-ms, --itl-slo-ms: must be positive"
     if min(args.turns, args.system_tokens, args.user_tokens, args.answer_tokens, args.sessions_per_load,

@@ -24,7 +24,8 @@ def test_two_load_points_kvloop_beside_the_aggregated_engine(tiny_model: Path, t
     argv = [sys.executable, "-m", "kvloop.cli", "bench", "load", "--model", str(tiny_model),
             "--configs", "kvloop,aggregated", "--loads", "1,2", "--turns", "3", "--system-tokens", "300",
             "--user-tokens", "100", "--answer-tokens", "16", "--min-requests", "9", "--sessions-per-load", "2",
-            "--think-ms", "100", "--prefill-engines", "1", "--work-dir", str(tmp_path / "w"), "--out", str(out)]
+            "--think-ms", "100", "--prefill-engines", "1", "--warmup-sessions", "1", "--work-dir", str(tmp_path / "w"),
+            "--out", str(out)]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=1200, stdin=subprocess.DEVNULL,
                           env=dict(os.environ))
     assert done.returncode == 0 and out.exists(), done.stdout[-3000:] + done.stderr[-3000:]
@@ -39,7 +40,7 @@ def test_two_load_points_kvloop_beside_the_aggregated_engine(tiny_model: Path, t
             assert set(p["cores_busy"]) == {f"cpu{i}" for i in range(len(p["cores_busy"]))} and p["gap_ms"]["n"]
             assert p["health"]["reason"], (name, p)
             assert p["cpu_s"]["aiperf"] > 0 and p["cpu_s"]["engines_and_rest"] > 0, (name, p["cpu_s"])
-        assert "knee_90" in config and "knee_99" in config
+        assert "knee_90" in config and "knee_99" in config and config["warmup_s"] > 0, name
     kvloop = data["configs"]["kvloop"]["points"]
     assert all(sum(p["paths"].values()) == p["requests"] for p in kvloop), kvloop  # the router's own count
     assert all(p["cpu_s"]["bench_and_router"] > 0 for p in kvloop)  # the router runs in the bench's process

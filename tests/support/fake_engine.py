@@ -9,7 +9,8 @@ from aiohttp import web
 
 
 class FakeEngine:
-    """A fake OpenAI engine: /tokenize gives one token per character, completions answer "ok"."""
+    """A fake OpenAI engine: /tokenize gives one token per character, completions answer "ok" (streamed as two
+    chunks when asked); ``fail_status`` answers every completion with that HTTP status instead."""
 
     def __init__(self) -> None:
         self.runner: web.AppRunner | None = None
@@ -17,6 +18,9 @@ class FakeEngine:
         self.calls = 0
         self.models: list[str] = []
         """The ``model`` of each completion request, in order."""
+        self.requests: list[tuple[dict[str, str], dict[str, Any]]] = []
+        """Each completion request's headers and body, in order."""
+        self.fail_status = 0
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -27,6 +31,11 @@ class FakeEngine:
         self.calls += 1
         body = await request.json()
         self.models.append(str(body.get("model")))
+        self.requests.append((dict(request.headers), body))
+        if self.fail_status:
+            return web.json_response({"error": {"message": "fake failure"}}, status=self.fail_status)
+        if body.get("stream"):
+            return await self.stream(request)
         choice: dict[str, Any] = {"index": 0, "finish_reason": "stop"}
         if "messages" in body:
             choice["message"] = {"role": "assistant", "content": "ok"}
@@ -35,6 +44,16 @@ class FakeEngine:
         return web.json_response({"id": "fake-1", "object": "chat.completion", "model": body.get("model"),
                                   "choices": [choice], "kv_transfer_params": {},
                                   "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}})
+
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        reply = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await reply.prepare(request)
+        for piece in ("o", "k"):
+            chunk = {"id": "fake-1", "choices": [{"index": 0, "delta": {"content": piece}}]}
+            await reply.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await reply.write(b"data: [DONE]\n\n")
+        await reply.write_eof()
+        return reply
 
     async def start(self) -> None:
         app = web.Application()
