@@ -27,7 +27,7 @@ from kvloop.broker.service import BrokerService
 from kvloop.broker.store import Election, MemoryStore, SoloElection, Store
 from kvloop.shared.config import parse_host_port
 from kvloop.shared.grpc_server import GrpcShell, start_grpc_server
-from kvloop.shared.serving import wait_for_stop, write_port_file
+from kvloop.shared.serving import freeze_started_heap, wait_for_stop, write_port_file
 from kvloop.shared.tls import TlsFiles
 from kvloop.v1 import broker_pb2, broker_pb2_grpc
 
@@ -116,6 +116,7 @@ async def start_broker(config: BrokerConfig, metrics: BrokerMetrics | None = Non
         log.warning("broker.auth_off_for_development", dev_no_auth=True,
                     detail="every caller is accepted unchecked: any process that reaches this port may register "
                            "as an engine and receive users' prompts; never run a shared cluster like this")
+    freeze_started_heap()
     if config.port_file is not None:
         write_port_file(config.port_file, shell.port)
     return RunningBroker(config, shell, runtime, watcher)

@@ -32,7 +32,7 @@ from kvloop.router.truth import report_from_usage
 from kvloop.router.turn import Turn, TurnError, TurnRunner
 from kvloop.shared.config import parse_host_port
 from kvloop.shared.http import MEASURED_PREFIX, engine_client_connector
-from kvloop.shared.serving import wait_for_stop, write_port_file
+from kvloop.shared.serving import freeze_started_heap, wait_for_stop, write_port_file
 from kvloop.shared.tls import TlsFiles
 
 log = structlog.get_logger("kvloop.router")
@@ -357,6 +357,7 @@ async def start_router(config: RouterConfig) -> RunningRouter:
              engines=sum(len(r.directory.engines) for r in runners.values()), api_key=bool(keys),
              tls="mutual" if server_tls.mutual else "server" if server_tls.enabled else "off",
              broker_tls=TlsFiles.of(config, "broker_tls_").enabled)
+    freeze_started_heap()
     return RunningRouter(config, runners, web_runner, bound, refresher, http)
 
 

@@ -19,7 +19,7 @@ from kvloop.shared.auth import token_of
 from kvloop.shared.client import BrokerClient
 from kvloop.shared.grpc_server import start_grpc_server
 from kvloop.shared.hashing import ExtraKeys, block_keys
-from kvloop.shared.serving import wait_for_stop, write_port_file
+from kvloop.shared.serving import freeze_started_heap, wait_for_stop, write_port_file
 from kvloop.shared.tls import TlsFiles
 from kvloop.v1 import broker_pb2 as pb
 from kvloop.v1 import engine_link_pb2 as lpb
@@ -483,6 +483,7 @@ async def serve(config: SidecarConfig, stop: asyncio.Event | None = None) -> Non
              metrics_port=shell.metrics_port or None,
              tls="mutual" if tls.mutual else "server" if tls.enabled else "off",
              broker_tls=TlsFiles.of(config, "broker_tls_").enabled)
+    freeze_started_heap()
     if config.port_file is not None:
         write_port_file(config.port_file, shell.port)
     try:
