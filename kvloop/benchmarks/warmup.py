@@ -11,9 +11,10 @@ pays its own share of them (its first requests), so both sides are warmed the sa
 
 The text shares no prefix with the workload (its own words, not AIPerf's corpus), so nothing the workload
 would find cached is put there: what the first point finds cached is the same with or without it. Sessions
-are sent together (``sessions`` at once), so each prefill engine of a P/D cluster gets a first turn and hands
-it to the decode engine, and their second turns are served from the decode engine's cache (DECODE_LOCAL): every
-path a point takes has run once. Sent by this process with aiohttp, outside AIPerf, so no point counts it.
+are sent together (``sessions`` at once), and placement spreads such a burst over the prefill engines, so each
+gets first turns and hands them to the decode engine (5-6 each in every run of 2026-12-06), and the second turns
+are served from the decode engine's cache (DECODE_LOCAL): every path a point takes has run. Sent by this process
+with aiohttp, outside AIPerf, so no point counts it.
 """
 
 from __future__ import annotations
