@@ -20,13 +20,14 @@ with aiohttp, outside AIPerf, so no point counts it.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+
+from kvloop.shared.http import aiter_sse
 
 WORDS = ("time", "year", "way", "day", "man", "child", "state", "family", "group", "hand", "part", "place", "case",
          "week", "system", "program", "work", "number", "point", "month", "right", "word", "issue", "side", "kind",
@@ -76,11 +77,8 @@ async def chat_turn(http: aiohttp.ClientSession, url: str, model: str, messages:
     async with http.post(f"{url}/v1/chat/completions", json=body, headers={"x-session-id": session}) as reply:
         if reply.status != 200:
             raise RuntimeError(f"warm-up turn of {session}: HTTP {reply.status}: {(await reply.text())[:300]}")
-        async for raw in reply.content:
-            line = raw.decode(errors="replace").strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            for choice in json.loads(line[5:]).get("choices", []):
+        async for event in aiter_sse(reply.content):
+            for choice in event.get("choices", []):
                 text.append((choice.get("delta") or {}).get("content") or "")
     return "".join(text)
 
