@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -38,6 +38,26 @@ def recheck_ms(idle_s: float, timeout_ms: int | None) -> int:
     return park if timeout_ms is None else max(0, min(park, timeout_ms))
 
 
+def capped_wait(original: Callable[..., None], seconds: float,
+                clock: Callable[[], float]) -> Callable[..., None]:
+    """``SpinCondition.wait`` with the spin capped at ``seconds`` and every park bounded by :func:`recheck_ms`.
+
+    The bound is passed to vLLM's ``wait`` on every call, the spinning ones included. vLLM's ``wait`` reads the
+    clock again to choose between a spin and a park; a reader preempted between the two reads (two cores shared
+    by a dozen processes) crossed the end of its spin in between, and vLLM then parked it with the caller's own
+    timeout, 5 s, which a lost notification turned into a 5 s stall (issue 49: inter-token gaps of 5,018-5,043
+    ms with the cap on). A spinning call ignores the bound, so passing it always costs nothing."""
+
+    def wait(self: SpinCondition, timeout_ms: int | None = None) -> None:
+        if self.busy_loop_s > seconds:
+            self.busy_loop_s = seconds
+        idle_s = clock() - self.last_read - self.busy_loop_s
+        original(self, recheck_ms(max(0.0, idle_s), timeout_ms))
+
+    wait._kvloop_original = original  # type: ignore[attr-defined]
+    return wait
+
+
 def cap_ipc_spin(seconds: float) -> None:
     """Cap how long vLLM's shared-memory message queues busy-wait after a message (vLLM: 1 s), and bound how
     long an idle reader trusts its wake-up notification (vLLM: 5 s).
@@ -47,32 +67,19 @@ def cap_ipc_spin(seconds: float) -> None:
     processes per engine after every step slow every other engine that shares the cores (a prefill 0.3 s
     after a decode step took 545-702 ms instead of 22-30 ms on 2 cores), so the spin is capped at ``seconds``.
 
-    The notification is only a hint, and it can be lost: a parked reader then re-reads the authoritative
-    shared-memory flag only after vLLM's ``SHM_READER_RECHECK_INTERVAL_MS`` (5 s). With a 1 s spin a reader is
-    rarely parked while serving; with a short spin it parks between every two steps, and lost notifications
-    stalled requests and streams for 5 s (the load of ``tests/engines/test_queue_wakeups.py``: 41 and 25 of 60
-    requests on one core, 9 of 60 on both). One way they are lost is the writer's PUB socket, whose send
-    high-water mark of 1 drops a notification while the previous one is in flight; raising it removed 6 of those
-    9 on both cores, not all. So the fix does not depend on why a
-    notification is lost: the park is bounded by :func:`recheck_ms`, and the reader re-reads the flag after
-    every park, so a lost wake-up costs at most one park. Patched on the class, so queues made before the call
-    follow it too. Called in every engine process by :mod:`kvloop.engines.vllm_entry` with
-    ``EngineConfig.ipc_spin_s``."""
+    The notification is only a hint, and it can be lost (the writer's PUB socket has a send high-water mark of
+    1): a parked reader then re-reads the authoritative shared-memory flag only after vLLM's
+    ``SHM_READER_RECHECK_INTERVAL_MS`` (5 s). With a short spin a reader parks between every two steps, so the
+    park is bounded (:func:`capped_wait`) and a lost wake-up costs at most one park. Patched on the class, so
+    queues made before the call follow it too. Called in every engine process by
+    :mod:`kvloop.engines.vllm_entry` with ``EngineConfig.ipc_spin_s``; measurements in docs/architecture.md."""
     import time
 
     from vllm.distributed.device_communicators import shm_broadcast
 
     spin = shm_broadcast.SpinCondition
     original = getattr(spin.wait, "_kvloop_original", spin.wait)
-
-    def wait(self: SpinCondition, timeout_ms: int | None = None) -> None:
-        if self.busy_loop_s > seconds:
-            self.busy_loop_s = seconds
-        idle_s = time.monotonic() - self.last_read - self.busy_loop_s
-        original(self, timeout_ms if idle_s < 0 else recheck_ms(idle_s, timeout_ms))
-
-    wait._kvloop_original = original  # type: ignore[attr-defined]
-    spin.wait = wait
+    spin.wait = capped_wait(original, seconds, time.monotonic)
 
 
 _ORIGINAL_HAS_FINISHED = Scheduler.has_finished_requests

@@ -20,7 +20,7 @@ from kvloop.engines.connector.books import (
     split_lease_reads,
     split_tier,
 )
-from kvloop.engines.connector.patches import RECHECK_MAX_MS, RECHECK_MIN_MS, recheck_ms
+from kvloop.engines.connector.patches import RECHECK_MAX_MS, RECHECK_MIN_MS, capped_wait, recheck_ms
 from kvloop.engines.sidecar.books import LeaseBooks, Throughput, engine_load
 from kvloop.shared.config import join_dashed_values
 from kvloop.shared.protocol import (
@@ -199,3 +199,35 @@ def test_an_idle_queue_reader_parks_briefly_and_never_past_its_timeout(idle_s: f
     assert park <= RECHECK_MAX_MS and (timeout_ms is None or park <= timeout_ms)
     assert park >= min(RECHECK_MIN_MS, RECHECK_MAX_MS if timeout_ms is None else timeout_ms)
     assert park >= min(int(idle_s * 1000), RECHECK_MAX_MS, 10**9 if timeout_ms is None else timeout_ms)
+
+
+class FakeSpinCondition:
+    """A fake of vLLM 0.32's ``SpinCondition`` reader: its ``wait`` reads the clock itself, spins while within
+    ``busy_loop_s`` of the last read, else parks with the timeout it is given (recorded, not slept)."""
+
+    def __init__(self, clock: list[float]) -> None:
+        self.clock, self.last_read, self.busy_loop_s = clock, 0.0, 1.0
+        self.parks: list[int | None] = []
+
+    def now(self) -> float:
+        return self.clock.pop(0)
+
+    def vllm_wait(self, timeout_ms: int | None = None) -> None:
+        if self.now() > self.last_read + self.busy_loop_s:
+            self.parks.append(timeout_ms)
+
+
+@given(spin_s=st.floats(0.0005, 0.01), before=st.floats(0, 1), after=st.floats(1e-6, 30),
+       timeout_ms=st.one_of(st.none(), st.integers(0, 10_000)))
+def test_a_reader_preempted_as_its_spin_ends_never_parks_for_vllms_5_s(
+        spin_s: float, before: float, after: float, timeout_ms: int | None) -> None:
+    """engines.connector.patches.capped_wait: the patched wait reads the clock while the reader still spins, vLLM's
+    own wait reads it again after the spin has ended (the reader was preempted in between). The park vLLM then
+    makes is still bounded by recheck_ms, not the caller's 5 s (issue 49's 5,018-5,043 ms gaps); without the bound
+    on spinning calls it parked for the caller's timeout."""
+    fake = FakeSpinCondition([before * spin_s, spin_s + after])  # first read inside the spin, second past it
+    wait = capped_wait(type(fake).vllm_wait, spin_s, fake.now)
+    wait(fake, timeout_ms)
+    assert fake.busy_loop_s == spin_s and len(fake.parks) == 1
+    park = fake.parks[0]
+    assert park is not None and park <= RECHECK_MAX_MS and (timeout_ms is None or park <= timeout_ms)
