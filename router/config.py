@@ -30,10 +30,14 @@ class RouterConfig(ServiceConfig):
     model: str = setting("", "served model name clients must ask for (default: what the engines serve)")
     max_request_bytes: int = setting(8 * 1024 * 1024, "largest request body accepted, in bytes")
     max_prompt_tokens: int = setting(131072, "longest prompt accepted, in tokens")
-    request_timeout_s: float = setting(600.0, "deadline of one engine call")
-    engine_stall_s: float = setting(60.0, "an engine that sends no byte for this long is taken as failed (a frozen "
-                                          "process accepts connections but never answers): the call goes to "
-                                          "another engine, a broken stream resumes there")
+    request_timeout_s: float = setting(600.0, "deadline of one non-streamed engine call (the prefill, a JSON "
+                                              "answer): past it the client gets 504 naming it; a stream has none "
+                                              "while its bytes flow")
+    engine_stall_s: float = setting(60.0, "an engine is taken as frozen (a stopped process accepts connections but "
+                                          "never answers) when a stream sends no byte for this long, or when a "
+                                          "non-streamed call's engine shows no progress in its step counters for "
+                                          "this long: the call goes to another engine, a broken stream resumes "
+                                          "there; a busy engine is never cut")
     broker_timeout_s: float = setting(2.0, "deadline of one broker call; past it the turn recomputes")
     publication_wait_s: float = setting(0.5, "for this long after a turn's answer, a next turn that extends it "
                                              "re-places until the decode's lease of that answer is published "

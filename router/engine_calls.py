@@ -1,12 +1,19 @@
 """The router's HTTP calls to engines, and the one way a call moves to the next engine.
 
 :meth:`EngineCalls.first_answer` tries :func:`~kvloop.router.plan.candidates` in order. An engine that fails
-(unreachable, timed out, or answering 5xx) is logged, counted by the caller's ``on_failure`` and replaced by the
+(unreachable, frozen, or answering 5xx) is logged, counted by the caller's ``on_failure`` and replaced by the
 next; one that answers 4xx ends the turn with its own error (another engine would refuse the request too).
+
+A JSON call (:meth:`EngineCalls.post`) is never cut for silence: a non-streamed answer sends nothing until it is
+complete. While it waits, the router scrapes the engine's step counters (:mod:`.progress`), and only an engine
+that shows no progress for ``engine_stall_s`` is taken as frozen and replaced; a call still running at
+``request_timeout_s`` ends the turn with 504, never a retry of work an engine is still doing.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
@@ -17,6 +24,7 @@ from opentelemetry import propagate, trace
 from kvloop.router.config import RouterConfig
 from kvloop.router.directory import EngineInfo
 from kvloop.router.errors import EngineReplyError, TurnError
+from kvloop.router.progress import ProgressWatch, progress_count
 
 log = structlog.get_logger("kvloop.router")
 
@@ -24,6 +32,14 @@ T = TypeVar("T")
 
 RETRYABLE = (EngineReplyError, aiohttp.ClientError, TimeoutError)
 """Failures another engine may not have."""
+
+SCRAPES_PER_STALL = 4
+"""Progress scrapes of an engine within ``engine_stall_s`` while a JSON call to it waits: a frozen engine is
+replaced between ``engine_stall_s`` and 1.25x that after its last progress."""
+
+
+class EngineFrozen(TimeoutError):
+    """An engine showed no progress for ``engine_stall_s`` while a call to it waited: retried elsewhere."""
 
 CHAT_TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
                         "add_special_tokens", "tools", "documents")
@@ -51,17 +67,60 @@ class EngineCalls:
         return headers
 
     def timeout(self) -> aiohttp.ClientTimeout:
-        return aiohttp.ClientTimeout(total=self.config.request_timeout_s, sock_read=self.config.engine_stall_s)
+        """A stream's: it sends a byte every token, so silence for ``engine_stall_s`` is a frozen engine."""
+        return aiohttp.ClientTimeout(total=None, sock_connect=self.config.engine_stall_s,
+                                     sock_read=self.config.engine_stall_s)
 
     async def post(self, engine: EngineInfo, path: str, body: dict[str, Any], span: Any = None) -> dict[str, Any]:
-        """The engine's JSON reply; :class:`EngineReplyError` for a status of 400 or more."""
+        """The engine's JSON reply; :class:`EngineReplyError` for a status of 400 or more, :class:`EngineFrozen`
+        when the engine stops making progress, :class:`TurnError` 504 past ``request_timeout_s``."""
+        call = asyncio.ensure_future(self._post(engine, path, body, span))
+        try:
+            return await self.watched(engine, call)
+        finally:
+            call.cancel()
+
+    async def _post(self, engine: EngineInfo, path: str, body: dict[str, Any], span: Any) -> dict[str, Any]:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.engine_stall_s)
         async with self.http.post(f"{engine.http}{path}", json=body, headers=self.headers(span),
-                                  timeout=self.timeout()) as r:
+                                  timeout=timeout) as r:
             data = await r.json(content_type=None)
             if r.status >= 400:
                 raise EngineReplyError(r.status, data)
             result: dict[str, Any] = data
             return result
+
+    async def watched(self, engine: EngineInfo, call: asyncio.Future[T]) -> T:
+        """``call``'s result, scraping ``engine`` for progress while it waits (:mod:`.progress`)."""
+        stall_s, deadline_s = self.config.engine_stall_s, self.config.request_timeout_s
+        started = time.monotonic()
+        watch = ProgressWatch(stall_s, started)
+        interval = stall_s / SCRAPES_PER_STALL
+        while True:
+            scrape = asyncio.ensure_future(self.progress(engine, interval))
+            left = started + deadline_s - time.monotonic()
+            await asyncio.wait({call}, timeout=min(interval, max(0.0, left)))
+            if call.done():
+                scrape.cancel()
+                return call.result()
+            if time.monotonic() - started >= deadline_s:
+                scrape.cancel()
+                raise TurnError(504, f"{engine.engine_id} had not answered within the engine call's deadline of "
+                                     f"{deadline_s:g} s (request_timeout_s)")
+            answered, count = await scrape
+            watch.observe(answered, count, time.monotonic())
+            if watch.frozen(time.monotonic()):
+                raise EngineFrozen(f"no progress in {stall_s:g} s (engine_stall_s): taken as frozen")
+
+    async def progress(self, engine: EngineInfo, timeout_s: float) -> tuple[bool, float | None]:
+        """Whether the engine answered a scrape of its ``/metrics``, and its step counters
+        (:func:`.progress.progress_count`)."""
+        try:
+            async with self.http.get(f"{engine.http}/metrics",
+                                     timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                return (True, progress_count(await r.text())) if r.status == 200 else (False, None)
+        except (aiohttp.ClientError, TimeoutError):
+            return False, None
 
     async def first_answer(self, engines: Iterable[EngineInfo], call: Callable[[EngineInfo, int], Awaitable[T]],
                            on_failure: Callable[[EngineInfo, str], None], none_left: str) -> tuple[T, EngineInfo]:

@@ -1,8 +1,15 @@
-"""A fake OpenAI engine for router tests that need no vLLM: canned answers, and a count of what it was asked."""
+"""A fake OpenAI engine for router tests that need no vLLM: canned answers, and a count of what it was asked.
+
+``python -m tests.support.fake_engine PORT_FILE [ANSWER_DELAY_S]`` serves one in a process of its own (one a test
+can SIGSTOP), writing its port to PORT_FILE once it listens."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import sys
+import time
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -21,6 +28,10 @@ class FakeEngine:
         self.requests: list[tuple[dict[str, str], dict[str, Any]]] = []
         """Each completion request's headers and body, in order."""
         self.fail_status = 0
+        self.answer_delay_s = 0.0
+        """A non-streamed answer takes this long (a long generation); the step counter moves meanwhile."""
+        self.busy_since: float | None = None
+        self.steps = 0.0
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -36,6 +47,11 @@ class FakeEngine:
             return web.json_response({"error": {"message": "fake failure"}}, status=self.fail_status)
         if body.get("stream"):
             return await self.stream(request)
+        if self.answer_delay_s and int(body.get("max_tokens") or 0) != 1:  # a prefill (max_tokens 1) is quick
+            self.busy_since = time.monotonic()
+            await asyncio.sleep(self.answer_delay_s)
+            self.steps += time.monotonic() - self.busy_since
+            self.busy_since = None
         choice: dict[str, Any] = {"index": 0, "finish_reason": "stop"}
         if "messages" in body:
             choice["message"] = {"role": "assistant", "content": "ok"}
@@ -55,16 +71,36 @@ class FakeEngine:
         await reply.write_eof()
         return reply
 
-    async def start(self) -> None:
+    async def metrics(self, request: web.Request) -> web.Response:
+        """vLLM's step counter, moving every 100 ms while an answer is being computed."""
+        busy = 0.0 if self.busy_since is None else time.monotonic() - self.busy_since
+        steps = int((self.steps + busy) * 10)
+        return web.Response(text=f'vllm:iteration_tokens_total_count{{engine="0"}} {steps}.0\n')
+
+    async def start(self, port: int = 0) -> None:
         app = web.Application()
         app.add_routes([web.post("/tokenize", self.tokenize), web.post("/v1/chat/completions", self.complete),
-                        web.post("/v1/completions", self.complete)])
+                        web.post("/v1/completions", self.complete), web.get("/metrics", self.metrics)])
         self.runner = web.AppRunner(app, access_log=None)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        site = web.TCPSite(self.runner, "127.0.0.1", port)
         await site.start()
         self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
 
     async def stop(self) -> None:
         if self.runner is not None:
             await self.runner.cleanup()
+
+
+async def serve(port_file: Path, answer_delay_s: float) -> None:
+    engine = FakeEngine()
+    engine.answer_delay_s = answer_delay_s
+    await engine.start()
+    partial = port_file.with_suffix(".partial")
+    partial.write_text(engine.url.rsplit(":", 1)[1])
+    partial.rename(port_file)  # whole or absent: the test polls for it
+    await asyncio.Event().wait()
+
+
+if __name__ == "__main__":
+    asyncio.run(serve(Path(sys.argv[1]), float(sys.argv[2]) if len(sys.argv) > 2 else 0.0))
