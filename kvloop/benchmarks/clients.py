@@ -34,6 +34,12 @@ class Served:
     """Upstream only: the time to the prefill engine's reply (its client cannot stream: see UpstreamClient)."""
     report: PrefillReport | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    prefill_engine: str = ""
+    """The engine that computed the prompt (its URL, or the router's engine id); "" when unknown."""
+    decode_engine: str = ""
+    """The engine that streamed the answer."""
+    cached_tokens: int | None = None
+    """The aggregated engine's prefix-cache hit (``usage.prompt_tokens_details.cached_tokens``); None elsewhere."""
 
 
 async def post_json(http: aiohttp.ClientSession, url: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
@@ -44,9 +50,14 @@ async def post_json(http: aiohttp.ClientSession, url: str, body: dict[str, Any],
         return data
 
 
+USAGE_CACHED = "x-usage-cached-tokens"
+"""Where :func:`stream` puts a usage chunk's ``prompt_tokens_details.cached_tokens`` among the headers."""
+
+
 async def stream(http: aiohttp.ClientSession, url: str, body: dict[str, Any], t0: float, timeout_s: float,
                  headers: dict[str, str] | None = None) -> tuple[list[int], float, list[float], dict[str, str]]:
-    """A streamed completion: token ids, time to the first token since ``t0``, the gaps after it, the headers."""
+    """A streamed completion: token ids, time to the first token since ``t0``, the gaps after it, the headers
+    (with :data:`USAGE_CACHED` when the body asked for usage and the engine reported its cache hit)."""
     ids: list[int] = []
     stamps: list[float] = []
     async with http.post(url, json={**body, "stream": True, "return_token_ids": True}, headers=headers,
@@ -63,6 +74,10 @@ async def stream(http: aiohttp.ClientSession, url: str, body: dict[str, Any], t0
                 continue
             if "error" in chunk:
                 raise RuntimeError(str(chunk["error"])[:200])
+            usage = chunk.get("usage")
+            details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+            if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                got[USAGE_CACHED] = str(details["cached_tokens"])
             for choice in chunk.get("choices", []):
                 new = list(choice.get("token_ids") or [])
                 if new:
@@ -96,20 +111,23 @@ class OneWayClient(Client):
         self.prefills, self.decode = prefills, decode
         self._next = itertools.cycle(range(len(prefills)))
 
-    async def prefill(self, prompt: list[int], params: dict[str, Any]) -> tuple[dict[str, Any], PrefillReport | None]:
+    async def prefill(self, prompt: list[int], params: dict[str, Any]
+                      ) -> tuple[dict[str, Any], PrefillReport | None, str]:
+        """The prefill's returned params, its report, and the prefill engine's URL."""
         url = self.prefills[next(self._next)]
         body = {**self.body(prompt, 1), "kv_transfer_params": params}
         returned = dict((await post_json(self.http, f"{url}/v1/completions", body, self.timeout_s)).get(
             "kv_transfer_params") or {})
-        return returned, PrefillReport.pop_from(returned)
+        return returned, PrefillReport.pop_from(returned), url
 
     async def turn(self, conv: str, prompt: list[int], max_tokens: int) -> Served:
         t0 = time.perf_counter()
-        params, report = await self.prefill(prompt, prefill_only_params())
+        params, report, prefill = await self.prefill(prompt, prefill_only_params())
         ids, ttft, itl, _ = await stream(self.http, f"{self.decode}/v1/completions",
                                          {**self.body(prompt, max_tokens), "kv_transfer_params": params}, t0,
                                          self.timeout_s)
-        return Served(ids, ttft, time.perf_counter() - t0, Path.RECOMPUTE, itl, report=report)
+        return Served(ids, ttft, time.perf_counter() - t0, Path.RECOMPUTE, itl, report=report,
+                      prefill_engine=prefill, decode_engine=self.decode)
 
 
 class UpstreamClient(OneWayClient):
@@ -130,7 +148,7 @@ class UpstreamClient(OneWayClient):
         if kept and kept.get("remote_block_ids"):
             params.update({k: kept[k] for k in UPSTREAM_KEYS if k in kept})
             decision = Path.TRANSFER
-        p_params, report = await self.prefill(prompt, params)
+        p_params, report, prefill = await self.prefill(prompt, params)
         prefill_ttft = time.perf_counter() - t0
         reply = await post_json(self.http, f"{self.decode}/v1/completions",
                                 {**self.body(prompt, max_tokens), "kv_transfer_params": p_params,
@@ -139,7 +157,7 @@ class UpstreamClient(OneWayClient):
         if reply.get("kv_transfer_params"):
             self.retained[conv] = reply["kv_transfer_params"]
         return Served(list(reply["choices"][0].get("token_ids") or []), e2e, e2e, decision,
-                      prefill_ttft_s=prefill_ttft, report=report)
+                      prefill_ttft_s=prefill_ttft, report=report, prefill_engine=prefill, decode_engine=self.decode)
 
 
 class RouterClient(Client):
@@ -156,7 +174,8 @@ class RouterClient(Client):
                                                headers={"x-session-id": conv})
         detail = {k.lower().removeprefix("x-kvloop-"): v for k, v in headers.items()
                   if k.lower().startswith("x-kvloop-")}
-        return Served(ids, ttft, time.perf_counter() - t0, detail.get("decision", "?"), itl, headers=detail)
+        return Served(ids, ttft, time.perf_counter() - t0, detail.get("decision", "?"), itl, headers=detail,
+                      prefill_engine=detail.get("prefill-engine", ""), decode_engine=detail.get("decode-engine", ""))
 
 
 class AggregatedClient(Client):
@@ -168,6 +187,10 @@ class AggregatedClient(Client):
 
     async def turn(self, conv: str, prompt: list[int], max_tokens: int) -> Served:
         t0 = time.perf_counter()
-        ids, ttft, itl, _ = await stream(self.http, f"{self.engine}/v1/completions", self.body(prompt, max_tokens),
-                                         t0, self.timeout_s)
-        return Served(ids, ttft, time.perf_counter() - t0, "LOCAL", itl)
+        # Usage at the stream's end (after the last token): the engine's prefix-cache hit, so the stall check
+        # (kvloop.benchmarks.stalls) knows what the turn computed.
+        body = {**self.body(prompt, max_tokens), "stream_options": {"include_usage": True}}
+        ids, ttft, itl, got = await stream(self.http, f"{self.engine}/v1/completions", body, t0, self.timeout_s)
+        cached = got.get(USAGE_CACHED)
+        return Served(ids, ttft, time.perf_counter() - t0, "LOCAL", itl, prefill_engine=self.engine,
+                      decode_engine=self.engine, cached_tokens=int(cached) if cached is not None else None)

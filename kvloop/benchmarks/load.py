@@ -29,10 +29,13 @@ server), sidecars and broker each counted from ``/proc/PID/stat`` (``cpu_s_by_pa
 the bare engine), the paths kvloop's router took, and the engines' queue stalls; per configuration the knees (the
 highest load with 90% and 99% of requests within the SLO).
 
-Health: a configuration whose point has errors or a request queued over ``STALL_S`` in an engine is unhealthy
-there; at its lowest load its time to first token is held against its engines' prefill time as in the
-multi-turn bench (under load, queueing is what is measured, so the factor check applies only where there is
-none). Ratios against ``aggregated`` are withheld where either side is unhealthy.
+Health: a configuration whose point has errors, a request queued over ``STALL_S`` in an engine, or a request
+whose time to first token or largest gap between chunks exceeds what its engine's queue and compute explain by
+more than ``BOUND_S`` (:mod:`kvloop.benchmarks.stalls`, from AIPerf's per-request records and, with
+``--router-records``, the router's) is unhealthy there; at its lowest load its time to first token is also held
+against its engines' prefill time as in the multi-turn bench (under load, queueing is what is measured, so the
+factor check applies only where there is none). Ratios against ``aggregated`` are withheld where either side is
+unhealthy. The table counts each point's stalled requests.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import json
 import math
 import os
 import resource
+import statistics
 import sys
 import time
 from dataclasses import asdict, replace
@@ -62,6 +66,7 @@ from kvloop.benchmarks.load_stats import (
     process_part,
     process_stat,
     ratio,
+    request_turns,
 )
 from kvloop.benchmarks.multiturn import (
     BASELINE_EXTRA,
@@ -73,7 +78,9 @@ from kvloop.benchmarks.multiturn import (
     engine_snapshot,
     prefill_engines_problem,
     start_config,
+    step_budgets,
 )
+from kvloop.benchmarks.stalls import BOUND_S, StallReport, find_stalls, prefill_rate
 from kvloop.benchmarks.stats import STALL_S, health, markdown_table, show
 from kvloop.benchmarks.warmup import WarmUp, warm_up
 from kvloop.cluster import LocalCluster
@@ -191,9 +198,37 @@ def cpu_split(before: tuple[Any, ...], after: tuple[Any, ...]) -> dict[str, floa
             "engines_and_rest": round(max(0.0, busy - own - aiperf_s), 1)}
 
 
+def read_router_records(path: Path | None) -> list[dict[str, Any]]:
+    """The router's per-turn records so far (JSON objects; a line cut short by a write in progress is skipped)."""
+    if path is None or not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            raw = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(raw, dict):
+            out.append(raw)
+    return out
+
+
+def point_stalls(requests: list[aiperf.Request], engine_figures: dict[str, float], engines: EngineSet,
+                 records: list[dict[str, Any]]) -> StallReport:
+    """A point's stall check: its requests, the engines' prefill rate over the point, their step budgets."""
+    gaps = [g / 1e3 for r in requests if not r.error for g in r.gaps_ms]
+    ids = [e.engine_id for e in engines]
+    turns = request_turns(requests, records, only_engine=ids[0] if len(ids) == 1 else "")
+    rate = prefill_rate(engine_figures.get("computed_all", 0.0),
+                        engine_figures.get("vllm:request_prefill_time_seconds_sum", 0.0))
+    return find_stalls(turns, prefill_tokens_per_s=rate, median_gap_s=statistics.median(gaps) if gaps else None,
+                       step_tokens=step_budgets(engines))
+
+
 async def run_point(name: str, load_value: float, url: str, router: str | None, engines: EngineSet,
                     load: AgentLoad | TraceLoad, args: argparse.Namespace, model: Path, exe: Path,
-                    out_dir: Path) -> dict[str, Any]:
+                    out_dir: Path) -> tuple[dict[str, Any], StallReport]:
+    """One load point's figures, and its stall check (its count and worst turn are in the figures too)."""
     urls = [e.url for e in engines]
     serving = [e.url for e in engines if e.plan.config.role != "decode"]
     concurrency = int(load_value) if isinstance(load, AgentLoad) else args.trace_concurrency
@@ -215,21 +250,29 @@ async def run_point(name: str, load_value: float, url: str, router: str | None, 
                    stalled_requests=int(eng.get("stalled", 0)),
                    prefill_time_s=round(eng.get("vllm:request_prefill_time_seconds_sum", 0.0), 3),
                    ttft_sum_s=round(sum(r.ttft_ms or 0.0 for r in records if not r.error) / 1e3, 3))
-    return figures
+    routed = await asyncio.to_thread(read_router_records, args.router_records / f"{name}.jsonl"
+                                     if args.router_records else None)
+    stalls = point_stalls(records, eng, engines, routed)
+    figures["stalls"] = stalls.to_dict()
+    return figures, stalls
 
 
-def point_health(point: dict[str, Any], lowest: bool) -> dict[str, Any]:
+def point_health(point: dict[str, Any], lowest: bool, stalls: StallReport | None = None) -> dict[str, Any]:
+    """``stalls``: the point's stall check (:func:`point_stalls`); any stall makes the point unhealthy."""
     if lowest:
         h = health(errors=point["errors"], turns=point["requests"] - point["errors"],
                    ttft_sum_s=point["ttft_sum_s"], prefill_sum_s=point["prefill_time_s"],
-                   stalled_requests=point["stalled_requests"])
-        return {"healthy": h.healthy, "reason": h.reason}
+                   stalled_requests=point["stalled_requests"], stalls=stalls)
+        return {"healthy": h.healthy, "reason": h.reason, "stalled_turns": h.stalled_turns}
     reasons = []
     if point["errors"]:
         reasons.append(f"{point['errors']} request(s) failed")
     if point["stalled_requests"]:
         reasons.append(f"{point['stalled_requests']} request(s) queued over {STALL_S:g} s in an engine")
-    return {"healthy": not reasons, "reason": "; ".join(reasons) or "no errors, no engine stall"}
+    if stalls is not None and stalls.count:
+        reasons.append(stalls.reason())
+    return {"healthy": not reasons, "reason": "; ".join(reasons) or "no errors, no engine stall",
+            "stalled_turns": stalls.count if stalls is not None else 0}
 
 
 def loads_of(args: argparse.Namespace) -> list[float]:
@@ -294,10 +337,10 @@ def table(configs: dict[str, Any]) -> str:
                          f"{p['throughput_rps']:.2f}", "/".join(f"{v:.2f}" for v in p["cores_busy"].values()),
                          "/".join(f"{v:g}" for v in p["cpu_s"].values()),
                          ",".join(f"{k}:{v}" for k, v in sorted(p["paths"].items())) or "-",
-                         "yes" if p["health"]["healthy"] else "NO"])
+                         p.get("stalls", {}).get("count", "-"), "yes" if p["health"]["healthy"] else "NO"])
     return markdown_table(["config", "load", "n", "goodput/s", "in SLO", "TTFT p50", "TTFT p99", "ITL p50",
                            "ITL p99", "gap p99", "req/s", "cores busy", "CPU s aiperf/router/engines", "paths",
-                           "healthy"], rows)
+                           "stalls", "healthy"], rows)
 
 
 def plot(configs: dict[str, Any], path: Path, xlabel: str) -> list[str]:
@@ -366,12 +409,13 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                       f"{spec.turns} turns)", flush=True)
             for i, value in enumerate(loads):
                 load = load_for(args, value, trace_file)
-                point = await run_point(name, value, url, router, engines, load, args, model, exe,
-                                        work / name / f"load-{value:g}")
-                point["health"] = point_health(point, lowest=i == 0)
+                point, stalls = await run_point(name, value, url, router, engines, load, args, model, exe,
+                                                work / name / f"load-{value:g}")
+                point["health"] = point_health(point, lowest=i == 0, stalls=stalls)
                 points.append(point)
                 print(f"   {name} @ {value:g}: {point['requests']} requests, goodput {point['goodput_rps']:.2f}/s, "
                       f"{point['slo_attainment']:.0%} in SLO, TTFT p50 {show(point['ttft_ms'], 'p50')} ms, "
+                      f"{stalls.count} stalled, "
                       f"{'healthy' if point['health']['healthy'] else 'UNHEALTHY: ' + point['health']['reason']}",
                       flush=True)
         finally:
@@ -381,7 +425,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 await asyncio.to_thread(engines.stop)
         by_load = {p["load"]: p for p in points}
         configs[name] = {"points": points, "knee_90": knee(by_load, 0.90), "knee_99": knee(by_load, 0.99),
-                         "healthy": all(p["health"]["healthy"] for p in points), "warmup_s": warm_s}
+                         "healthy": all(p["health"]["healthy"] for p in points), "warmup_s": warm_s,
+                         "stalled_turns": sum(p["stalls"]["count"] for p in points)}
     workload: dict[str, Any] = ({"kind": "trace", "file": str(args.trace), "length_scale": args.trace_length_scale,
                                  "slowed": args.trace_slow, "seconds": args.trace_seconds,
                                  "block_size": args.trace_block_size, "load_axis": "replay speed"}
@@ -391,7 +436,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
               "configs": configs, "ratios": compare(configs),
               "markdown": table(configs) + "\n\n" + parts_table(configs), "workload": workload,
-              "slo": asdict(args.slo), "loads": loads, "aiperf": aiperf.VERSION, "sizing": size.notes,
+              "slo": asdict(args.slo), "turn_stall_bound_s": BOUND_S, "loads": loads, "aiperf": aiperf.VERSION,
+              "sizing": size.notes,
               "engines": {"cores": {**cores_record(size.cores), BASELINE: "auto"}, "one_way_connector": BASELINE_EXTRA,
                           "step_tokens": {"decode engines and aggregated_steps": DECODE_STEP_TOKENS,
                                           "the others": "vLLM's default"}},

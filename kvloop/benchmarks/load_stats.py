@@ -3,7 +3,12 @@ each core's busy share from two ``/proc/stat`` readings. No I/O; unit-tested in 
 
 Goodput is DistServe's: requests that met every target of the SLO, per second of the point's wall time (first
 request sent to last answer received). A failed request meets no target. Percentiles admit their sample size
-(:func:`kvloop.benchmarks.stats.percentiles_ms`: a p99 needs 100 samples)."""
+(:func:`kvloop.benchmarks.stats.percentiles_ms`: a p99 needs 100 samples).
+
+The stall check (:mod:`kvloop.benchmarks.stalls`) reads each request as AIPerf timed it (wall-clock send and end,
+TTFT, every gap between chunks), what it computed from its usage (prompt less cached tokens), and, where the
+router wrote per-turn records (``--router-records``), the engines that served it, their own computed-token
+account and the router's deliberate waits (:func:`request_turns`)."""
 
 from __future__ import annotations
 
@@ -11,7 +16,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvloop.benchmarks.aiperf import Request, Slo
+from kvloop.benchmarks.stalls import TurnTiming
 from kvloop.benchmarks.stats import percentiles_ms
+
+MATCH_SLACK_S = 0.5
+"""A router record is a request's when it arrived between this long before the request was sent and this long
+after its first token, with the same prompt length (the nearest to the send time wins, each record once)."""
 
 
 def meets(r: Request, slo: Slo) -> bool:
@@ -134,3 +144,48 @@ def cpu_by_part(before: Mapping[int, tuple[str, int]], after: Mapping[int, tuple
 
 def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
+
+
+def _match(r: Request, records: Sequence[Mapping[str, Any]], used: set[int]) -> Mapping[str, Any] | None:
+    start = r.start_ns / 1e9
+    first = start + (r.ttft_ms or 0.0) / 1e3
+    best, best_d = None, 0.0
+    for i, rec in enumerate(records):
+        t = rec.get("t")
+        if i in used or rec.get("error") or not isinstance(t, (int, float)):
+            continue
+        if r.prompt_tokens and rec.get("prompt_tokens") != r.prompt_tokens:
+            continue
+        if start - MATCH_SLACK_S <= t <= first + MATCH_SLACK_S and (best is None or abs(t - start) < best_d):
+            best, best_d = i, abs(t - start)
+    if best is None:
+        return None
+    used.add(best)
+    return records[best]
+
+
+def request_turns(requests: Sequence[Request], records: Sequence[Mapping[str, Any]] = (), only_engine: str = ""
+                  ) -> list[TurnTiming]:
+    """A load point's answered requests as the stall check reads them. ``records``: the router's per-turn records
+    (``kvloop.router.records``, as JSON objects) around the point, matched to requests by :data:`MATCH_SLACK_S`;
+    ``only_engine``: the configuration's engine when it has one (every request's, records or none)."""
+    used: set[int] = set()
+    out = []
+    for r in sorted((r for r in requests if not r.error), key=lambda r: r.start_ns):
+        rec = _match(r, records, used) if records else None
+        computed = max(0, r.prompt_tokens - r.cached_tokens) if r.prompt_tokens else None
+        pulled, wait_s, prefill, decode = 0, 0.0, only_engine, only_engine
+        if rec is not None:
+            computed = int(rec.get("computed_tokens", computed or 0))
+            pulled = int(rec.get("pulled_tokens", 0))
+            timings = rec.get("timings_ms") or {}
+            wait_s = float(timings.get("publication_wait", 0.0)) / 1e3
+            prefill = str(rec.get("prefill_engine") or only_engine)
+            decode = str(rec.get("decode_engine") or only_engine)
+        out.append(TurnTiming(
+            name=f"{r.session} turn {r.turn}", ttft_s=r.ttft_ms / 1e3 if r.ttft_ms is not None else None,
+            max_gap_s=max(r.gaps_ms) / 1e3 if r.gaps_ms else None, start_s=r.start_ns / 1e9 if r.start_ns else None,
+            end_s=r.end_ns / 1e9 if r.start_ns and r.end_ns else None, prompt_tokens=r.prompt_tokens,
+            computed_tokens=computed, pulled_tokens=pulled, wait_s=wait_s, prefill_engine=prefill,
+            decode_engine=decode))
+    return out

@@ -17,8 +17,10 @@ baselines run it with ``kvloop_retain`` off and no broker. Every prefill engine 
 full-length prompts plus a quarter of the histories; every decode and aggregated engine the default KV space.
 
 Each configuration's health is checked against its own figures (:mod:`kvloop.benchmarks.stats`): one with
-errors, requests queued over ``STALL_S`` in an engine, or a time to first token more than ``HEALTH_FACTOR``
-times its engines' prefill time is marked unhealthy, and ratios that involve it are withheld.
+errors, requests queued over ``STALL_S`` in an engine, a time to first token more than ``HEALTH_FACTOR``
+times its engines' prefill time, or any turn whose time to first token or inter-token gap exceeds what its
+engine's queue and compute explain by more than ``BOUND_S`` (:mod:`kvloop.benchmarks.stalls`) is marked
+unhealthy, and ratios that involve it are withheld. The table counts each configuration's stalled turns.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from kvloop.benchmarks.clients import (
     Served,
     UpstreamClient,
 )
+from kvloop.benchmarks.stalls import BOUND_S, StallReport, TurnTiming, find_stalls, prefill_rate
 from kvloop.benchmarks.stats import (
     HEALTH_FACTOR,
     STALL_S,
@@ -93,6 +96,12 @@ class TurnRecord:
     report: dict[str, Any] = field(default_factory=dict)
     detail: dict[str, Any] = field(default_factory=dict)
     """kvloop's turns: the router's x-kvloop-* reply headers (decision, reason, tokens, ``timing``)."""
+    start_s: float | None = None
+    """When the turn was sent, seconds since its run began (the stall check's queues)."""
+    prefill_engine: str = ""
+    decode_engine: str = ""
+    cached_tokens: int | None = None
+    """The aggregated engine's prefix-cache hit, from its usage."""
 
 
 @dataclass
@@ -250,6 +259,7 @@ async def run_workload(config: str, repeat: int, client: Client, conversations: 
     gaps: list[float] = []
     progress = Progress(sum(c.turns for c in conversations), f"{config} #{repeat + 1}")
     gate = asyncio.Semaphore(concurrency)
+    began = time.perf_counter()
 
     async def one(conv: Conversation) -> None:
         async with gate:
@@ -258,6 +268,7 @@ async def run_workload(config: str, repeat: int, client: Client, conversations: 
                 prompt = history + new
                 base: dict[str, Any] = {"config": config, "repeat": repeat, "conversation": conv.conversation_id,
                                         "turn": i + 1, "context_tokens": len(prompt)}
+                sent = time.perf_counter() - began
                 try:
                     served: Served = await client.turn(conv.conversation_id, prompt, conv.answer(i, answer))
                     gaps.extend(served.itl_s)
@@ -266,7 +277,9 @@ async def run_workload(config: str, repeat: int, client: Client, conversations: 
                         **base, ttft_s=served.ttft_s, decision=served.decision, e2e_s=served.e2e_s,
                         itl_p50_ms=round(itl[len(itl) // 2] * 1e3, 2) if itl else None,
                         itl_max_ms=round(itl[-1] * 1e3, 2) if itl else None, prefill_ttft_s=served.prefill_ttft_s,
-                        report=served.report.to_params() if served.report else {}, detail=served.headers))
+                        report=served.report.to_params() if served.report else {}, detail=served.headers,
+                        start_s=round(sent, 6), prefill_engine=served.prefill_engine,
+                        decode_engine=served.decode_engine, cached_tokens=served.cached_tokens))
                     history = prompt + served.output_ids
                 except Exception as exc:
                     records.append(TurnRecord(**base, ttft_s=0.0, decision="ERROR",
@@ -282,12 +295,16 @@ async def run_workload(config: str, repeat: int, client: Client, conversations: 
 def engine_snapshot(urls: list[str], token_urls: list[str]) -> dict[str, float]:
     """The figures the health check needs, summed over the engines, and the prompt tokens by source over the
     engines that serve prompts (``token_urls``: prefill and aggregated engines; a decode engine's whole-prompt
-    read from its prefill engine is the P/D hand-off, not reuse)."""
+    read from its prefill engine is the P/D hand-off, not reuse); ``computed_all``: the tokens every engine
+    computed, decode engines' included (the prefill rate of :mod:`kvloop.benchmarks.stalls`)."""
     totals: dict[str, float] = {}
     for url in urls:
         samples = read_metrics(url)
+        by_source = metric_by_label(samples, "vllm:prompt_tokens_by_source_total", "source")
+        # Every engine's computed prompt tokens, over its prefill time: the stall check's prefill rate.
+        totals["computed_all"] = totals.get("computed_all", 0.0) + by_source.get("local_compute", 0.0)
         if url in token_urls:
-            for source, value in metric_by_label(samples, "vllm:prompt_tokens_by_source_total", "source").items():
+            for source, value in by_source.items():
                 totals[f"tokens.{source}"] = totals.get(f"tokens.{source}", 0.0) + value
         for name in ("vllm:request_prefill_time_seconds_sum", "vllm:request_queue_time_seconds_sum"):
             totals[name] = totals.get(name, 0.0) + metric_total(samples, name)
@@ -318,7 +335,56 @@ async def run_config(name: str, repeat: int, model: Path, work: Path, conversati
         else:
             await asyncio.to_thread(engines.stop)
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-    return {"records": records, "gaps": gaps, "engines": delta, "seconds": seconds}
+    return {"records": records, "gaps": gaps, "engines": delta, "seconds": seconds,
+            "step_tokens": step_budgets(engines)}
+
+
+def step_budgets(engines: EngineSet) -> dict[str, int]:
+    """Each engine's step budget (``--max-num-batched-tokens``) by its id and its URL, where kvloop sets one
+    (vLLM's default is not known here: the stall check then caps nothing)."""
+    out: dict[str, int] = {}
+    for e in engines:
+        budget = e.plan.config.resolved_step_tokens()
+        if budget:
+            out[e.engine_id] = out[e.url] = budget
+    return out
+
+
+def stall_turns(records: list[TurnRecord]) -> list[TurnTiming]:
+    """A run's answered turns as the stall check reads them: TTFT (upstream's prefill-side TTFT: its answer is
+    not streamed), the largest gap, the engines, and the computed tokens by the engines' own account (the prefill
+    report, the router's headers, or the aggregated engine's cache hit)."""
+    out = []
+    for r in records:
+        if r.error:
+            continue
+        computed: int | None = None
+        if r.report:
+            computed = int(r.report.get("computed_tokens", 0))
+        elif "computed-tokens" in r.detail:
+            computed = int(float(r.detail["computed-tokens"]))
+        elif r.cached_tokens is not None:
+            computed = max(0, r.context_tokens - r.cached_tokens)
+        pulled = int(r.report.get("pulled_tokens", 0)) if r.report else int(float(r.detail.get("pulled-tokens", 0)))
+        ttft = r.prefill_ttft_s if r.prefill_ttft_s is not None else r.ttft_s
+        out.append(TurnTiming(
+            name=f"{r.conversation} turn {r.turn}", ttft_s=ttft,
+            max_gap_s=r.itl_max_ms / 1e3 if r.itl_max_ms is not None else None, start_s=r.start_s,
+            end_s=r.start_s + r.e2e_s if r.start_s is not None else None, prompt_tokens=r.context_tokens,
+            computed_tokens=computed, pulled_tokens=pulled, wait_s=timing(r).get("publication_wait", 0.0) / 1e3,
+            prefill_engine=r.prefill_engine, decode_engine=r.decode_engine))
+    return out
+
+
+def run_stalls(run: dict[str, Any]) -> StallReport:
+    """One run's stall check, from its turns, every gap, and its engines' counters."""
+    engines = run["engines"]
+    gaps = run["gaps"]
+    return find_stalls(stall_turns(run["records"]),
+                       prefill_tokens_per_s=prefill_rate(engines.get("computed_all", 0.0),
+                                                         engines.get("vllm:request_prefill_time_seconds_sum", 0.0)),
+                       median_gap_s=statistics.median(gaps) if gaps else None,
+                       step_tokens=run.get("step_tokens") or {})
 
 
 # Summaries -------------------------------------------------------------------------------------------------
@@ -361,12 +427,14 @@ def summarize(name: str, runs: list[dict[str, Any]], late_tokens: int) -> dict[s
     late = [r for r in ok if r.context_tokens >= late_tokens]
     gaps = [g for run in runs for g in run["gaps"]]
     checks = []
+    stalls = []
     for run in runs:
         errors = sum(1 for r in run["records"] if r.error)
         first = [r.prefill_ttft_s if r.prefill_ttft_s is not None else r.ttft_s for r in run["records"] if not r.error]
+        stalls.append(run_stalls(run))
         checks.append(health(errors=errors, turns=len(first), ttft_sum_s=sum(first),
                              prefill_sum_s=run["engines"].get("vllm:request_prefill_time_seconds_sum", 0.0),
-                             stalled_requests=int(run["engines"].get("stalled", 0))))
+                             stalled_requests=int(run["engines"].get("stalled", 0)), stalls=stalls[-1]))
     healthy = all(c.healthy for c in checks)
     engines = [run["engines"] for run in runs]
     summary: dict[str, Any] = {
@@ -379,7 +447,8 @@ def summarize(name: str, runs: list[dict[str, Any]], late_tokens: int) -> dict[s
                    "computed": int(sum(e.get("tokens.local_compute", 0) for e in engines))},
         "healthy": healthy,
         "health": [{"healthy": c.healthy, "reason": c.reason, "ttft_over_prefill": c.ttft_over_prefill,
-                    "stalled_requests": c.stalled_requests} for c in checks],
+                    "stalled_requests": c.stalled_requests, "stalled_turns": c.stalled_turns} for c in checks],
+        "stalls": {"count": sum(s.count for s in stalls), "runs": [s.to_dict() for s in stalls]},
         "seconds": [round(run["seconds"], 1) for run in runs],
         "error_samples": [r.error for r in records if r.error][:3]}
     if name.startswith("upstream"):
@@ -482,10 +551,10 @@ def table(summary: dict[str, dict[str, Any]]) -> str:
                                                                            if not h["healthy"]),
                      show(t, "p50"), show(t, "p99"), show(late, "p50"), show(late, "p95"), show(late, "p99"),
                      late["n"], show(itl, "p50"), show(itl, "p99"), show(s["e2e_ms"], "p50"), s["requests"],
-                     s["errors"], s["tokens"]["reused"], s["tokens"]["computed"],
+                     s["errors"], s.get("stalls", {}).get("count", "-"), s["tokens"]["reused"], s["tokens"]["computed"],
                      " ".join(f"{k} {v}" for k, v in sorted(s["decisions"].items()))])
     return markdown_table(["config", "healthy", "TTFT p50", "TTFT p99", "late p50", "late p95", "late p99",
-                           "late n", "ITL p50", "ITL p99", "e2e p50", "turns", "errors", "reused", "computed",
+                           "late n", "ITL p50", "ITL p99", "e2e p50", "turns", "errors", "stalls", "reused", "computed",
                            "decisions"], rows)
 
 
@@ -583,7 +652,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                             "cores": {**cores_record(args.cores), "ideal": "auto",
                                       "ideal_same_cores": role_cores("decode")},
                             "health": {"factor": HEALTH_FACTOR, "turn_overhead_s": TURN_OVERHEAD_S,
-                                       "stall_s": STALL_S}},
+                                       "stall_s": STALL_S, "turn_stall_bound_s": BOUND_S}},
                 "machine": {"cpus": len(os.sched_getaffinity(0)), "model": str(model)},
                 "wall_seconds": round(time.monotonic() - started, 1), "turns": [asdict(r) for r in records],
                 "itl_gaps_ms": {n: [round(g * 1e3, 2) for g in v] for n, v in gaps.items()},
@@ -607,8 +676,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             runs[name].append(run)
             this[name] = summarize(name, [run], args.late_tokens)
             h = this[name]["health"][0]
-            print(f"   {name}: {run['seconds']:.0f} s, {'healthy' if h['healthy'] else 'UNHEALTHY'} ({h['reason']})",
-                  flush=True)
+            print(f"   {name}: {run['seconds']:.0f} s, {h['stalled_turns']} stalled turn(s), "
+                  f"{'healthy' if h['healthy'] else 'UNHEALTHY'} ({h['reason']})", flush=True)
             if args.out:  # a run stopped early keeps what it measured
                 write_json(Path(args.out), result(partial=True))
         per_repeat.append(this)

@@ -7,7 +7,10 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvloop.benchmarks.stalls import StallReport
 
 QUANTILES = {"p50": 0.50, "p95": 0.95, "p99": 0.99}
 
@@ -58,11 +61,15 @@ class Health:
     reason: str
     ttft_over_prefill: float | None
     stalled_requests: int
+    stalled_turns: int = 0
+    """Turns that stalled beyond their queue and compute (:mod:`kvloop.benchmarks.stalls`)."""
 
 
 def health(*, errors: int, turns: int, ttft_sum_s: float, prefill_sum_s: float, stalled_requests: int,
-           factor: float = HEALTH_FACTOR, overhead_s: float = TURN_OVERHEAD_S) -> Health:
-    """Whether a configuration ran as designed, from its own figures (see :data:`HEALTH_FACTOR`, :data:`STALL_S`)."""
+           factor: float = HEALTH_FACTOR, overhead_s: float = TURN_OVERHEAD_S,
+           stalls: StallReport | None = None) -> Health:
+    """Whether a configuration ran as designed, from its own figures (see :data:`HEALTH_FACTOR`, :data:`STALL_S`)
+    and, given ``stalls``, its turns one by one (any stall makes it unhealthy)."""
     ratio = round(ttft_sum_s / prefill_sum_s, 2) if prefill_sum_s > 0 else None
     allowed = factor * prefill_sum_s + overhead_s * turns
     reasons = []
@@ -70,13 +77,15 @@ def health(*, errors: int, turns: int, ttft_sum_s: float, prefill_sum_s: float, 
         reasons.append(f"{errors} request(s) failed")
     if stalled_requests:
         reasons.append(f"{stalled_requests} request(s) queued over {STALL_S:g} s in an engine")
+    if stalls is not None and stalls.count:
+        reasons.append(stalls.reason())
     if ratio is not None and ttft_sum_s > allowed:
         reasons.append(f"time to first token {ttft_sum_s:.1f} s over {turns} turns, more than {factor:g}x the "
                        f"engines' prefill time ({prefill_sum_s:.1f} s) + {overhead_s:g} s a turn")
     if ratio is None and not errors:
         reasons.append("no prefill time measured")
     return Health(not reasons, "; ".join(reasons) or f"time to first token {ratio}x the engines' prefill time",
-                  ratio, stalled_requests)
+                  ratio, stalled_requests, stalls.count if stalls is not None else 0)
 
 
 def requests_above(samples: Mapping[str, float], histogram: str, threshold_s: float) -> int:
