@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Literal
 
-from kvloop.shared.vocabulary import Path
+from kvloop.shared.vocabulary import Path, Reason, Veto
 
 
 class Role(enum.Enum):
@@ -193,7 +194,7 @@ class Plan:
     """Where a turn runs and why. Carries every field a trace needs to explain the decision."""
 
     decision: Decision
-    reason: str
+    reason: Reason
     prompt_blocks: int
     threshold_tokens: int
     prefill: EngineInfo
@@ -214,8 +215,8 @@ class Plan:
     """Prompt tokens the serving engine holds itself (lease or prefix cache)."""
     pull_tokens: int = 0
     """TRANSFER: tokens to pull, beyond the prefill engine's own prefix."""
-    decode_local_veto: str = ""
-    """Why DECODE_LOCAL was not taken though the decode engine held the prefix (disabled, tail_tokens,
-    tail_share, decode_busy, costlier); empty when taken or not possible."""
+    decode_local_veto: Veto | Literal[""] = ""
+    """Why DECODE_LOCAL was not taken though the decode engine held the prefix (a :class:`Veto`: the first rule of
+    ``broker.core.vetoes`` that refused it, or ``costlier``); "" when taken or not possible."""
     cached_tokens_seen: int = 0
     """The longest usable prefix any live engine held: the reuse available to this turn."""
