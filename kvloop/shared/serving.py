@@ -5,6 +5,7 @@ SIGTERM/SIGINT that starts a graceful shutdown."""
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import gc
 import signal
@@ -50,7 +51,16 @@ def freeze_started_heap() -> int:
     load`` were still there with the freeze: those are not the collector's.)"""
     gc.collect()
     gc.freeze()
+    if not _UNFREEZE_AT_EXIT:
+        # Frozen objects are never collected, not even as the interpreter ends: Triton's (imported with torch) then
+        # outlive its nanobind bindings, which print pages of "nanobind: leaked ..." at every exit. Handing them
+        # back to the collector at exit ends them as before the freeze.
+        atexit.register(gc.unfreeze)
+        _UNFREEZE_AT_EXIT.append(True)
     return gc.get_freeze_count()
+
+
+_UNFREEZE_AT_EXIT: list[bool] = []
 
 
 def write_port_file(path: Path | str, port: int) -> None:
