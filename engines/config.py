@@ -30,11 +30,12 @@ from kvloop.shared.paths import checkout_root
 from kvloop.shared.protocol import DEFAULT_HOLD_S, KV_EVENTS_TOPIC, ConnectorSettings
 from kvloop.shared.telemetry import LOG_FORMATS, LOG_LEVELS
 from kvloop.shared.tls import check_files
+from kvloop.shared.vocabulary import Role
 
-ROLES = ("prefill", "decode", "both")
+ROLES = tuple(role.value for role in Role)
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 KV_ROLES = ("auto", "kv_both", "kv_producer", "kv_consumer")
-KV_ROLE_OF_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
+KV_ROLE_OF_ROLE = {Role.PREFILL: "kv_producer", Role.DECODE: "kv_consumer", Role.BOTH: "kv_both"}
 """vLLM's kv_role for each P/D role: the one place it is decided (``kv_role: auto``, the default)."""
 
 CONNECTORS: dict[str, dict[str, str]] = {
@@ -89,7 +90,7 @@ def split_cores(groups: int) -> list[str]:
     return [",".join(str(c) for c in cpus[i * size:(i + 1) * size]) for i in range(groups)]
 
 
-def role_cores(role: str) -> str:
+def role_cores(role: Role) -> str:
     """The cores of an engine of ``role`` that shares its machine with the other roles' engines: prefill engines
     share the first half of this process's cores and decode engines the second, so a decode step never waits
     behind a prefill (and vLLM's spinning CPU workers of one role cannot starve the other's NIXL threads); an
@@ -99,7 +100,7 @@ def role_cores(role: str) -> str:
     and the benchmarks pass it directly; compose and the Kubernetes CPU overlay set ``omp_threads_bind: role``,
     which resolves to this inside the container (tests/unit/test_config.py checks both ways agree)."""
     prefill, decode = split_cores(2)
-    return {"prefill": prefill, "decode": decode}.get(role, "auto")
+    return {Role.PREFILL: prefill, Role.DECODE: decode}.get(role, "auto")
 
 
 @cache
@@ -131,7 +132,7 @@ def default_work_dir() -> Path:
 class EngineConfig(ServiceConfig):
     ENV_PREFIX = "KVLOOP_ENGINE_"
 
-    role: str = setting("both", "P/D role: prefill, decode, or both (one engine doing both)", choices=ROLES)
+    role: Role = setting(Role.BOTH, "P/D role: prefill, decode, or both (one engine doing both)", choices=ROLES)
     model: Path | None = setting(None, "Hugging Face model directory (required; loaded offline)")
     served_model_name: str = setting("", "model name in the OpenAI API (default: the model directory's name)")
     engine_id: str = setting("", "NIXL engine id, unique in the cluster (default: ROLE-HOSTNAME-PORT)")
@@ -239,7 +240,7 @@ class EngineConfig(ServiceConfig):
         self._require(self.lease_ttl_s >= 0, "lease_ttl_s", "must be >= 0")
         self._require(self.hold_s > 0, "hold_s", "must be positive")
         self._require(self.host_tier_blocks >= 0, "host_tier_blocks", "must be 0 (none) or more")
-        self._require(self.host_tier_blocks == 0 or (self.connector == "kvloop" and self.role != "prefill"),
+        self._require(self.host_tier_blocks == 0 or (self.connector == "kvloop" and self.role != Role.PREFILL),
                       "host_tier_blocks", "needs the kvloop connector on an engine that retains (decode or both)")
         self._require(not self.step_tokens or self.step_tokens >= MIN_STEP_TOKENS, "step_tokens",
                       f"must be 0 (vLLM's default) or at least {MIN_STEP_TOKENS} (vLLM's max_num_seqs)")
@@ -295,7 +296,7 @@ class EngineConfig(ServiceConfig):
         """``--max-num-batched-tokens`` for the engine; 0: vLLM's default."""
         if self.step_tokens is not None:
             return self.step_tokens
-        return DECODE_STEP_TOKENS if self.role == "decode" else 0
+        return DECODE_STEP_TOKENS if self.role == Role.DECODE else 0
 
     def broker_addresses(self) -> list[str]:
         return [a.strip() for a in self.broker.split(",") if a.strip()]

@@ -35,6 +35,7 @@ from kvloop.shared import procs
 from kvloop.shared.auth import ClusterCredentials
 from kvloop.shared.client import wait_serving
 from kvloop.shared.serving import wait_for_stop
+from kvloop.shared.vocabulary import Role
 
 MakeConfigs = Callable[[str], Sequence[EngineConfig]]
 """The engines of a cluster, given the broker's address."""
@@ -128,7 +129,7 @@ def pd_configs(model: Path, work: Path, broker: str, *, prefill: int, decode: in
                ) -> list[EngineConfig]:
     """``prefill`` prefill and ``decode`` decode engines with kvloop's connector, ids ``prefill-0``, ...,
     each bound to its role's cores; ``settings`` are further :class:`EngineConfig` fields for all."""
-    roles = ["prefill"] * prefill + ["decode"] * decode
+    roles = [Role.PREFILL] * prefill + [Role.DECODE] * decode
     return [EngineConfig(role=role, model=model, engine_id=f"{role}-{i}", work_dir=work, broker=broker,
                          omp_threads_bind="role", **settings) for i, role in enumerate(roles)]
 

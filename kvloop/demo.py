@@ -26,6 +26,7 @@ import random
 import time
 from typing import Any
 
+from kvloop.shared import headers as hdr
 from kvloop.shared.http import sse_data, sse_measured
 
 DEMO_SYSTEM = ("You are a coding agent. You read files, run tools and keep short notes. " * 60).strip()
@@ -79,7 +80,7 @@ async def run_demo(router_url: str, *, model: str = "", turns: int = 6, max_toke
             t0 = time.perf_counter()
             ttft, text, measured = 0.0, [], None
             async with http.post(f"{router_url}/v1/chat/completions", json=body,
-                                 headers={"x-session-id": "demo-agent"}) as reply:
+                                 headers={hdr.SESSION_ID: "demo-agent"}) as reply:
                 if reply.status != 200:
                     raise RuntimeError(f"turn {turn + 1}: router answered {reply.status}: {await reply.text()}")
                 h = reply.headers
@@ -91,15 +92,15 @@ async def run_demo(router_url: str, *, model: str = "", turns: int = 6, max_toke
                     ttft = ttft or time.perf_counter() - t0
                     for choice in event.get("choices", []):
                         text.append((choice.get("delta") or {}).get("content") or "")
-            figures = {k: int(h.get(f"x-kvloop-{k}", 0)) for k in ("local-tokens", "pulled-tokens", "computed-tokens")}
+            figures = {k: int(h.get(k, 0)) for k in (hdr.LOCAL_TOKENS, hdr.PULLED_TOKENS, hdr.COMPUTED_TOKENS)}
             if measured:  # a DECODE_LOCAL stream: the decode engine's own account came with its end
-                figures = {k: int(measured.get(k, 0)) for k in figures}
-            prefill, decode = h.get("x-kvloop-prefill-engine", ""), h.get("x-kvloop-decode-engine", "")
-            row = {"turn": turn + 1, "context_tokens": int(h.get("x-kvloop-prompt-tokens", 0)),
-                   "decision": (measured or {}).get("decision") or h.get("x-kvloop-decision", "?"),
-                   "planned": h.get("x-kvloop-planned", ""), "reason": h.get("x-kvloop-reason", ""),
-                   "local_tokens": figures["local-tokens"], "pulled_tokens": figures["pulled-tokens"],
-                   "computed_tokens": figures["computed-tokens"], "prefill_engine": prefill, "decode_engine": decode,
+                figures = {k: int(measured.get(hdr.field(k), 0)) for k in figures}
+            prefill, decode = h.get(hdr.PREFILL_ENGINE, ""), h.get(hdr.DECODE_ENGINE, "")
+            row = {"turn": turn + 1, "context_tokens": int(h.get(hdr.PROMPT_TOKENS, 0)),
+                   "decision": (measured or {}).get(hdr.field(hdr.DECISION)) or h.get(hdr.DECISION, "?"),
+                   "planned": h.get(hdr.PLANNED, ""), "reason": h.get(hdr.REASON, ""),
+                   "local_tokens": figures[hdr.LOCAL_TOKENS], "pulled_tokens": figures[hdr.PULLED_TOKENS],
+                   "computed_tokens": figures[hdr.COMPUTED_TOKENS], "prefill_engine": prefill, "decode_engine": decode,
                    "ttft_ms": round(ttft * 1e3, 1)}
             rows.append(row)
             engines = decode if prefill in ("", decode) else f"{prefill}->{decode}"

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from kvloop.engines.config import EngineConfig
 from kvloop.engines.launcher import EngineProcess, plan_engine, spawn_engine
+from kvloop.shared.vocabulary import Role
 
 
 @dataclass
@@ -25,7 +26,7 @@ class EngineSet:
     def __len__(self) -> int:
         return len(self.engines)
 
-    def of_role(self, role: str) -> list[EngineProcess]:
+    def of_role(self, role: Role) -> list[EngineProcess]:
         return [e for e in self.engines if e.plan.config.role == role]
 
     def by_id(self, engine_id: str) -> EngineProcess:

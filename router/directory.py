@@ -13,15 +13,17 @@ import itertools
 from dataclasses import dataclass
 
 from kvloop.router.config import RouterConfig
+from kvloop.shared.vocabulary import Role
 from kvloop.v1 import broker_pb2 as pb
 
-ROLES = {pb.ENGINE_ROLE_PREFILL: "prefill", pb.ENGINE_ROLE_DECODE: "decode", pb.ENGINE_ROLE_BOTH: "both"}
+ROLES = {pb.ENGINE_ROLE_PREFILL: Role.PREFILL, pb.ENGINE_ROLE_DECODE: Role.DECODE, pb.ENGINE_ROLE_BOTH: Role.BOTH}
+"""The wire's roles (``EngineRole``); an engine of a role this router does not know counts as ``both``."""
 
 
 @dataclass(frozen=True)
 class EngineInfo:
     engine_id: str
-    role: str
+    role: Role
     http: str
     nixl: str = ""
     block_size: int = 0
@@ -37,19 +39,19 @@ class Directory:
     def __init__(self, config: RouterConfig) -> None:
         self.engines: dict[str, EngineInfo] = {}
         self.static = {
-            "prefill": [EngineInfo(f"prefill@{u}", "prefill", u) for u in config.urls("prefill_urls")],
-            "decode": [EngineInfo(f"decode@{u}", "decode", u) for u in config.urls("decode_urls")],
+            Role.PREFILL: [EngineInfo(f"prefill@{u}", Role.PREFILL, u) for u in config.urls("prefill_urls")],
+            Role.DECODE: [EngineInfo(f"decode@{u}", Role.DECODE, u) for u in config.urls("decode_urls")],
         }
         self.unlisted: dict[str, tuple[EngineInfo, float]] = {}
         """Engines the broker listed before and lists no more, with when they went (:meth:`last_resort`)."""
         self.unlisted_grace_s = config.unlisted_grace_s
-        self._rr: dict[str, itertools.count[int]] = {}
+        self._rr: dict[Role, itertools.count[int]] = {}
         """One round-robin counter per role: with one shared, a turn that picks a prefill then a decode engine
         lands on the same decode engine of two every time
         (``test_directory_prefers_the_broker_list_and_round_robins``)."""
 
     def update(self, reply: pb.InspectResponse, now: float) -> None:
-        listed = {e.engine.engine_id: EngineInfo(e.engine.engine_id, ROLES.get(e.engine.role, "both"),
+        listed = {e.engine.engine_id: EngineInfo(e.engine.engine_id, ROLES.get(e.engine.role, Role.BOTH),
                                                  e.engine.addresses.http.rstrip("/"), e.engine.addresses.nixl,
                                                  e.engine.block_size, e.engine.layout_fingerprint, e.engine.model)
                   for e in reply.engines}
@@ -60,7 +62,7 @@ class Directory:
                          if k not in listed and now - since < self.unlisted_grace_s}
         self.engines = listed
 
-    def last_resort(self, role: str, model: str = "") -> list[EngineInfo]:
+    def last_resort(self, role: Role, model: str = "") -> list[EngineInfo]:
         """Engines of ``role`` serving ``model`` that the broker stopped listing less than ``unlisted_grace_s``
         ago (as of the last refresh), the latest to go first; each is worth one try when the listed engines of a
         role have all failed a turn, or none is listed.
@@ -71,17 +73,17 @@ class Directory:
         sidecar restarts drops after one that died with its engine, hence the order
         (``test_an_engine_the_broker_stops_listing_stays_a_last_resort_for_a_while``)."""
         recent = sorted(self.unlisted.values(), key=lambda item: -item[1])
-        return [info for info, _ in recent if info.role in (role, "both") and info.http and info.serves(model)]
+        return [info for info, _ in recent if info.role in (role, Role.BOTH) and info.http and info.serves(model)]
 
-    def of_role(self, role: str, model: str = "") -> list[EngineInfo]:
+    def of_role(self, role: Role, model: str = "") -> list[EngineInfo]:
         """Engines of ``role`` that serve ``model``; the configured URLs only while the broker lists none of the
         role at all (not when it lists some, all of another model)."""
-        live = [e for e in self.engines.values() if e.role in (role, "both") and e.http]
+        live = [e for e in self.engines.values() if e.role in (role, Role.BOTH) and e.http]
         if not live:
             return self.static[role]
         return [e for e in live if e.serves(model)]
 
-    def pick(self, role: str, model: str = "", exclude: frozenset[str] | set[str] = frozenset()) -> EngineInfo | None:
+    def pick(self, role: Role, model: str = "", exclude: frozenset[str] | set[str] = frozenset()) -> EngineInfo | None:
         """A listed engine, round-robin; with none left, the first :meth:`last_resort`."""
         candidates = [e for e in self.of_role(role, model) if e.engine_id not in exclude]
         if not candidates:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvloop.shared.protocol import PrefillReport
+from kvloop.shared.vocabulary import Path, PlanOutcome, TurnReason
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -38,8 +39,8 @@ class RouterMetrics:
         self.requests = Counter("kvloop_router_requests_total", "HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)
 
-    def turn_finished(self, path: str, planned: str, reason: str, outcome: str, report: PrefillReport,
-                      ttft_s: float) -> None:
+    def turn_finished(self, path: Path, planned: Path, reason: TurnReason, outcome: PlanOutcome,
+                      report: PrefillReport, ttft_s: float) -> None:
         """A finished turn's figures: its actual ``path``, the ``planned`` one, the plan's ``reason``, the
         plan-against-actual ``outcome`` and the engines' ``report``."""
         self.ttft.labels(path).observe(ttft_s)

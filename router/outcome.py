@@ -12,6 +12,7 @@ from kvloop.router.directory import EngineInfo
 from kvloop.router.plan import TurnPlan
 from kvloop.router.truth import actual_path, plan_outcome, report_from_usage
 from kvloop.shared.protocol import PrefillReport
+from kvloop.shared.vocabulary import Path, PlanOutcome
 
 
 @dataclass
@@ -67,12 +68,12 @@ class Turn:
         return PrefillReport(computed_tokens=self.plan.prompt_tokens)
 
     @property
-    def path(self) -> str:
+    def path(self) -> Path:
         """The path the turn actually took (:mod:`kvloop.router.truth`)."""
         return actual_path(self.plan.path, self.done)
 
     @property
-    def plan_vs_actual(self) -> str:
+    def plan_vs_actual(self) -> PlanOutcome:
         return plan_outcome(self.plan.path, self.path, self.plan.local_tokens + self.plan.pull_tokens,
                             self.done.reused_tokens, self.plan.block_size)
 

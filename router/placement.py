@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Any, Literal
 
 import grpc
 import structlog
@@ -20,7 +20,7 @@ from kvloop.router.config import RouterConfig
 from kvloop.router.directory import Directory
 from kvloop.router.in_flight import InFlightCounts
 from kvloop.router.metrics import RouterMetrics
-from kvloop.router.plan import Placement
+from kvloop.router.plan import Placement, plan_reason, plan_veto
 from kvloop.router.recent import RecentTurns
 from kvloop.router.residuals import DECODE_LOCAL, PD, PathResiduals
 from kvloop.shared.auth import token_of
@@ -29,7 +29,7 @@ from kvloop.shared.config import process_name
 from kvloop.shared.hashing import ExtraKeys, block_keys
 from kvloop.shared.protocol import PrefillReport
 from kvloop.shared.tls import TlsFiles
-from kvloop.shared.vocabulary import Fallback
+from kvloop.shared.vocabulary import Fallback, Reason, Veto
 from kvloop.v1 import broker_pb2 as pb
 
 COMPLETE_RETRY_S: tuple[float | None, ...] = (0.5, 1.0, 2.0, 4.0, None)
@@ -63,6 +63,8 @@ class Placer:
         self.broker_answered = False
         """Whether the last ``Inspect`` got an answer: without a layout, the turn's fallback is then ``no_layout``
         (the broker knows no engine of the model), else ``broker_unavailable``."""
+        self.unknown_words: set[tuple[str, str]] = set()
+        """(field, word) of the plans' words this router did not know, each logged once."""
         self._background: set[asyncio.Task[Any]] = set()
 
     async def refresh(self) -> None:
@@ -96,10 +98,10 @@ class Placer:
         the placement, e.g. no live engine of that layout)."""
         layout = self.directory.layout(model)
         if self.placements is None or layout is None:
-            cause: str = (Fallback.NO_BROKER if self.placements is None
-                          else Fallback.NO_LAYOUT if self.broker_answered else Fallback.BROKER_UNAVAILABLE)
-            self.metrics.fallbacks.labels(cause).inc()
-            return Placement(None, fallback=cause)
+            fallback = (Fallback.NO_BROKER if self.placements is None
+                        else Fallback.NO_LAYOUT if self.broker_answered else Fallback.BROKER_UNAVAILABLE)
+            self.metrics.fallbacks.labels(fallback).inc()
+            return Placement(None, fallback=fallback)
         fingerprint, block_size = layout
         keys = block_keys(tokens, block_size, ExtraKeys(fingerprint))
         carrier: dict[str, str] = {}
@@ -138,7 +140,7 @@ class Placer:
         pin = plan.pin if plan is not None and plan.HasField("pin") else None
         return Placement(plan, tuple(keys), wait_ms, pin, cause)
 
-    async def place_once(self, request: pb.PlaceRequest) -> tuple[pb.Plan | None, str]:
+    async def place_once(self, request: pb.PlaceRequest) -> tuple[pb.Plan | None, Fallback | Literal[""]]:
         """The plan, or None and the fallback's cause (see :meth:`place`); each replica tried once."""
         assert self.placements is not None
         for attempt in range(self.placements.replicas):
@@ -168,7 +170,17 @@ class Placer:
                 await self.refresh()
                 await self.placements.close()
             return None, Fallback.PLACE_REFUSED
+        self.note_unknown_words(plan)
         return plan, ""
+
+    def note_unknown_words(self, plan: pb.Plan) -> None:
+        """Log, once per word, a reason or veto this router does not know (a newer broker's, in a rolling upgrade):
+        the turn goes on as planned and reports it as ``unknown`` (:func:`~kvloop.router.plan.plan_reason`)."""
+        for field, word, typed in (("reason", plan.reason, plan_reason(plan)),
+                                   ("decode_local_veto", plan.decode_local_veto, plan_veto(plan))):
+            if typed in (Reason.UNKNOWN, Veto.UNKNOWN) and word != typed and (field, word) not in self.unknown_words:
+                self.unknown_words.add((field, word))
+                log.warning("router.unknown_plan_word", field=field, word=word, reported_as=str(typed))
 
     async def pin(self, plan: pb.Plan, reader: str) -> pb.PinBlocksResponse | None:
         assert self.broker is not None

@@ -15,12 +15,22 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 from kvloop.router.directory import Directory, EngineInfo
 from kvloop.router.errors import TurnError
 from kvloop.shared.protocol import decode_local_params
-from kvloop.shared.vocabulary import Path, Reason
+from kvloop.shared.vocabulary import (
+    Fallback,
+    NoVeto,
+    Path,
+    Reason,
+    Role,
+    TurnReason,
+    Veto,
+    reason_from_wire,
+    veto_from_wire,
+)
 from kvloop.v1 import broker_pb2 as pb
 
 PREFILL_ONLY_FIELDS = ("stream", "stream_options", "n", "logprobs", "top_logprobs", "echo")
@@ -36,7 +46,7 @@ class Placement:
     keys: tuple[bytes, ...] = ()
     wait_ms: float = 0.0
     pin: pb.PinBlocksResponse | None = None
-    fallback: str = ""
+    fallback: Fallback | Literal[""] = ""
 
 
 @dataclass(frozen=True)
@@ -47,9 +57,10 @@ class TurnPlan:
     kind: str
     session: str
     model: str
-    path: str
+    path: Path
     """The planned path (the broker's, or RECOMPUTE when there was no usable plan)."""
-    reason: str
+    reason: TurnReason
+    """The plan's reason, or the fallback's cause when there was no plan."""
     prompt_tokens: int
     block_size: int
     prefill: EngineInfo
@@ -63,10 +74,10 @@ class TurnPlan:
     broker_plan: pb.Plan | None = None
 
     @property
-    def veto(self) -> str:
+    def veto(self) -> Veto | NoVeto:
         """Why DECODE_LOCAL was not taken though the decode engine held the prefix (the broker's
         ``decode_local_veto``; "" without a plan)."""
-        return self.broker_plan.decode_local_veto if self.broker_plan is not None else ""
+        return plan_veto(self.broker_plan) if self.broker_plan is not None else ""
 
     @property
     def decode(self) -> EngineInfo:
@@ -92,6 +103,18 @@ def plan_path(plan: pb.Plan) -> Path:
     return Path(name) if name in Path.__members__ else Path.RECOMPUTE
 
 
+def plan_reason(plan: pb.Plan) -> Reason:
+    """The broker's reason, typed (a string on the wire, so that routers and brokers of different versions still
+    interoperate: :mod:`kvloop.shared.vocabulary`); :attr:`Reason.UNKNOWN` for a word this router does not know
+    (:class:`~kvloop.router.placement.Placer` logs it as the plan arrives)."""
+    return reason_from_wire(plan.reason)
+
+
+def plan_veto(plan: pb.Plan) -> Veto | NoVeto:
+    """The broker's ``decode_local_veto``, typed as :func:`plan_reason` types the reason ("" when none)."""
+    return veto_from_wire(plan.decode_local_veto)
+
+
 def plan_turn(directory: Directory, kind: str, session: str, model: str, prompt_tokens: int,
               placement: Placement) -> TurnPlan:
     """The turn's plan from the broker's (or from none) and the engines this router knows.
@@ -100,16 +123,17 @@ def plan_turn(directory: Directory, kind: str, session: str, model: str, prompt_
     round-robin where the broker named none (the directory's counters advance: the only state touched)."""
     plan = placement.plan
     path = plan_path(plan) if plan else Path.RECOMPUTE
-    reason = plan.reason if plan else placement.fallback
+    # Without a plan the placement names its cause (one that names none asked no broker).
+    reason: TurnReason = plan_reason(plan) if plan else placement.fallback or Fallback.NO_BROKER
     prefill = directory.engines.get(plan.prefill_engine_id) if plan else None
     decode = directory.engines.get(plan.decode_engine_id) if plan else None
     if path == Path.DECODE_LOCAL and decode is None:
         path, reason = Path.RECOMPUTE, Reason.DECODE_ENGINE_UNKNOWN
-    prefill = prefill or directory.pick("prefill", model)
-    decode = decode or directory.pick("decode", model)
+    prefill = prefill or directory.pick(Role.PREFILL, model)
+    decode = decode or directory.pick(Role.DECODE, model)
     if prefill is None or decode is None:
         raise TurnError(503, f"no prefill and decode engines serving '{model}' are available")
-    others = [e for e in [*directory.of_role("decode", model), *directory.last_resort("decode", model)]
+    others = [e for e in [*directory.of_role(Role.DECODE, model), *directory.last_resort(Role.DECODE, model)]
               if e.engine_id != decode.engine_id]
     layout = directory.layout(model)
     return TurnPlan(kind=kind, session=session, model=model, path=path, reason=reason, prompt_tokens=prompt_tokens,
@@ -121,7 +145,7 @@ def plan_turn(directory: Directory, kind: str, session: str, model: str, prompt_
                     available_tokens=int(plan.cached_tokens_seen) if plan else 0, broker_plan=plan)
 
 
-def downgraded(plan: TurnPlan, reason: str) -> TurnPlan:
+def downgraded(plan: TurnPlan, reason: Reason) -> TurnPlan:
     """The same turn recomputed on the same engines, for ``reason`` (nothing pulled)."""
     return replace(plan, path=Path.RECOMPUTE, reason=reason, pull_tokens=0)
 

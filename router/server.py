@@ -30,10 +30,12 @@ from kvloop.router.config import RouterConfig
 from kvloop.router.metrics import RouterMetrics
 from kvloop.router.truth import report_from_usage
 from kvloop.router.turn import Turn, TurnError, TurnRunner
+from kvloop.shared import headers as hdr
 from kvloop.shared.config import parse_host_port
 from kvloop.shared.http import MEASURED_PREFIX, engine_client_connector
 from kvloop.shared.serving import freeze_started_heap, wait_for_stop, write_port_file
 from kvloop.shared.tls import TlsFiles
+from kvloop.shared.vocabulary import Role
 
 log = structlog.get_logger("kvloop.router")
 
@@ -47,31 +49,31 @@ def decision_headers(turn: Turn) -> dict[str, str]:
     the engines' measurements; :mod:`kvloop.router.truth`), the plan beside it, and the tokens found in the
     serving engine's own cache, pulled and computed. A DECODE_LOCAL stream's engine account arrives with its last
     chunk: its headers carry the plan's figures with ``x-kvloop-measured: false``, and :func:`measured_comment`
-    gives the measured ones before ``[DONE]``."""
-    return {"x-kvloop-decision": turn.path, "x-kvloop-planned": turn.plan.path,
-            "x-kvloop-reason": turn.plan.reason, "x-kvloop-decode-local-veto": turn.plan.veto,
-            "x-kvloop-plan-outcome": turn.plan_vs_actual,
-            "x-kvloop-measured": str(turn.measured).lower(),
-            "x-kvloop-prefill-engine": turn.outcome.prefill_engine, "x-kvloop-decode-engine": turn.decode.engine_id,
-            **figures(turn), "x-kvloop-timing": ",".join(f"{k}={v}" for k, v in timing_ms(turn).items())}
+    gives the measured ones before ``[DONE]``. Names: :mod:`kvloop.shared.headers`."""
+    return {hdr.DECISION: turn.path, hdr.PLANNED: turn.plan.path,
+            hdr.REASON: turn.plan.reason, hdr.DECODE_LOCAL_VETO: turn.plan.veto,
+            hdr.PLAN_OUTCOME: turn.plan_vs_actual,
+            hdr.MEASURED: str(turn.measured).lower(),
+            hdr.PREFILL_ENGINE: turn.outcome.prefill_engine, hdr.DECODE_ENGINE: turn.decode.engine_id,
+            **figures(turn), hdr.TIMING: ",".join(f"{k}={v}" for k, v in timing_ms(turn).items())}
 
 
 def figures(turn: Turn) -> dict[str, str]:
     report = turn.done
-    return {"x-kvloop-prompt-tokens": str(turn.plan.prompt_tokens),
-            "x-kvloop-available-tokens": str(turn.plan.available_tokens),
-            "x-kvloop-matched-tokens": str(turn.plan.matched_tokens),
-            "x-kvloop-pulled-tokens": str(report.pulled_tokens),
-            "x-kvloop-local-tokens": str(report.local_tokens),
-            "x-kvloop-computed-tokens": str(report.computed_tokens),
-            "x-kvloop-pull-ms": str(report.pull_ms if turn.measured else 0)}
+    return {hdr.PROMPT_TOKENS: str(turn.plan.prompt_tokens),
+            hdr.AVAILABLE_TOKENS: str(turn.plan.available_tokens),
+            hdr.MATCHED_TOKENS: str(turn.plan.matched_tokens),
+            hdr.PULLED_TOKENS: str(report.pulled_tokens),
+            hdr.LOCAL_TOKENS: str(report.local_tokens),
+            hdr.COMPUTED_TOKENS: str(report.computed_tokens),
+            hdr.PULL_MS: str(report.pull_ms if turn.measured else 0)}
 
 
 def measured_comment(turn: Turn) -> bytes:
     """An SSE comment (clients ignore it) with a stream's measured figures, sent before ``[DONE]``."""
-    body = {"decision": turn.path, "planned": turn.plan.path, "plan-outcome": turn.plan_vs_actual,
-            "measured": turn.measured,
-            **{k.removeprefix("x-kvloop-"): int(float(v)) for k, v in figures(turn).items()}}
+    body = {hdr.field(hdr.DECISION): turn.path, hdr.field(hdr.PLANNED): turn.plan.path,
+            hdr.field(hdr.PLAN_OUTCOME): turn.plan_vs_actual, hdr.field(hdr.MEASURED): turn.measured,
+            **{hdr.field(k): int(float(v)) for k, v in figures(turn).items()}}
     return f"{MEASURED_PREFIX}{json.dumps(body, separators=(',', ':'))}\n\n".encode()
 
 
@@ -85,7 +87,7 @@ def timing_ms(turn: Turn) -> dict[str, float]:
 
 
 def session_hint(request: web.Request, body: dict[str, Any]) -> str:
-    hint = request.headers.get("x-session-id") or body.get("session_id") or body.get("user") or ""
+    hint = request.headers.get(hdr.SESSION_ID) or body.get("session_id") or body.get("user") or ""
     return str(hint)[:256]
 
 
@@ -262,7 +264,7 @@ class RouterApp:
             runner = next(iter(self.runners.values()))
             names = {self.config.model} if self.config.model else runner.directory.models()
             if not names:
-                for engine in runner.directory.of_role("decode"):
+                for engine in runner.directory.of_role(Role.DECODE):
                     with contextlib.suppress(Exception):
                         async with runner.http.get(f"{engine.http}/v1/models",
                                                    timeout=aiohttp.ClientTimeout(total=5)) as reply:
@@ -273,9 +275,9 @@ class RouterApp:
 
     async def health(self, request: web.Request) -> web.Response:
         """200 when every pool has a prefill and a decode engine; the counts (per pool with ``pools``)."""
-        counts = {model: {"prefill": len(r.directory.of_role("prefill")), "decode": len(r.directory.of_role("decode"))}
+        counts = {model: {str(role): len(r.directory.of_role(role)) for role in (Role.PREFILL, Role.DECODE)}
                   for model, r in self.runners.items()}
-        ok = all(c["prefill"] and c["decode"] for c in counts.values())
+        ok = all(c[Role.PREFILL] and c[Role.DECODE] for c in counts.values())
         body: dict[str, Any] = {"status": "ok" if ok else "no engines"}
         if self.pooled:
             body["pools"] = counts

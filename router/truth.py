@@ -9,19 +9,20 @@ the demo) shows the *actual* path; the plan and the outcome of comparing them go
   tokens found in its own cache is PREFILL_LOCAL, else RECOMPUTE. So no turn is reported as TRANSFER with
   nothing pulled. A DECODE_LOCAL turn ran on the decode engine whatever it found there: its actual path stays
   DECODE_LOCAL, with the cached tokens vLLM measured (``usage.prompt_tokens_details.cached_tokens``).
-- The **outcome**: ``as_planned``; ``other_path`` (the actual path differs); ``less_reused`` (same path, but
-  fewer tokens reused than planned, by more than one block: the last, partial block is always computed).
+- The **outcome** (:class:`~kvloop.shared.vocabulary.PlanOutcome`): ``as_planned``; ``other_path`` (the actual
+  path differs); ``less_reused`` (same path, but fewer tokens reused than planned, by more than one block: the
+  last, partial block is always computed).
 """
 
 from __future__ import annotations
 
 from kvloop.shared.protocol import PrefillReport
-from kvloop.shared.vocabulary import Path
+from kvloop.shared.vocabulary import Path, PlanOutcome
 
 PATHS = (Path.DECODE_LOCAL, Path.PREFILL_LOCAL, Path.TRANSFER, Path.RECOMPUTE)
 
 
-def actual_path(planned: str, report: PrefillReport) -> str:
+def actual_path(planned: Path, report: PrefillReport) -> Path:
     if planned == Path.DECODE_LOCAL:
         return Path.DECODE_LOCAL
     if report.pulled_tokens > 0:
@@ -29,12 +30,13 @@ def actual_path(planned: str, report: PrefillReport) -> str:
     return Path.PREFILL_LOCAL if report.local_tokens > 0 else Path.RECOMPUTE
 
 
-def plan_outcome(planned: str, actual: str, planned_reused: int, measured_reused: int, block_size: int) -> str:
+def plan_outcome(planned: Path, actual: Path, planned_reused: int, measured_reused: int, block_size: int
+                 ) -> PlanOutcome:
     if actual != planned:
-        return "other_path"
+        return PlanOutcome.OTHER_PATH
     if measured_reused + max(1, block_size) <= planned_reused:
-        return "less_reused"
-    return "as_planned"
+        return PlanOutcome.LESS_REUSED
+    return PlanOutcome.AS_PLANNED
 
 
 def report_from_usage(usage: dict[str, object] | None, prompt_tokens: int) -> PrefillReport | None:

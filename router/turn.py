@@ -37,14 +37,22 @@ from kvloop.router.errors import EngineReplyError, TurnError
 from kvloop.router.metrics import RouterMetrics
 from kvloop.router.outcome import Turn
 from kvloop.router.placement import Placer
-from kvloop.router.plan import candidates, decode_request, downgraded, plan_path, plan_turn, prefill_request
+from kvloop.router.plan import (
+    candidates,
+    decode_request,
+    downgraded,
+    plan_path,
+    plan_reason,
+    plan_turn,
+    prefill_request,
+)
 from kvloop.router.records import RecordWriter, turn_record
 from kvloop.router.residuals import turn_residual
 from kvloop.router.resume import StreamLedger
 from kvloop.router.tokenizer import RouterTokenizer
 from kvloop.shared.client import plan_attributes, transfer_params
 from kvloop.shared.protocol import SESSION_KEY, PrefillReport, decode_local_params, prefill_only_params
-from kvloop.shared.vocabulary import Fallback, Path, Reason
+from kvloop.shared.vocabulary import Fallback, Path, Reason, Role
 from kvloop.v1 import broker_pb2 as pb
 
 __all__ = ["CHAT_TEMPLATE_FIELDS", "Turn", "TurnError", "TurnRunner"]
@@ -111,7 +119,7 @@ class TurnRunner:
                 return local
         d = self.directory
         return await self.engines.tokenize(kind, body, candidates(
-            [], lambda tried: d.pick("prefill", model, tried) or d.pick("decode", model, tried)))
+            [], lambda tried: d.pick(Role.PREFILL, model, tried) or d.pick(Role.DECODE, model, tried)))
 
     def tokenizer_serves(self, model: str) -> bool:
         """The configured tokenizer is the served model's: the one model a router with ``model`` set accepts, else
@@ -149,9 +157,12 @@ class TurnRunner:
             timings[step] = round((now - mark) * 1e3, 3)
             mark = now
 
+        cpu = time.thread_time()
         with tracer.start_as_current_span("kvloop.tokenize"):
             tokens = await self.tokenize(kind, body)
         lap("tokenize")
+        # The loop thread's CPU within the step: a step much longer than its CPU waited (the GIL, the cores).
+        timings["tokenize_cpu"] = round((time.thread_time() - cpu) * 1e3, 3)
         if len(tokens) > self.config.max_prompt_tokens:
             raise TurnError(400, f"prompt has {len(tokens)} tokens, more than this router accepts "
                                  f"({self.config.max_prompt_tokens})", "invalid_request_error", "messages")
@@ -202,7 +213,7 @@ class TurnRunner:
             self.metrics.fallbacks.labels(Fallback.PREFILL_RETRY).inc()
 
         with tracer.start_as_current_span("kvloop.prefill") as prefill_span:
-            more = candidates([plan.prefill], lambda tried: self.directory.pick("prefill", plan.model, tried))
+            more = candidates([plan.prefill], lambda tried: self.directory.pick(Role.PREFILL, plan.model, tried))
             reply, used = await self.engines.first_answer(more, call, failed, "no prefill engine could serve the "
                                                                                 "request")
             p_params = dict(reply.get("kv_transfer_params") or {})
@@ -272,7 +283,7 @@ class TurnRunner:
         now = time.monotonic()
         turn.outcome.timings_ms["decode_first"] = round((time.time_ns() - turn.outcome.decode_started_ns) / 1e6, 3)
         plan, broker, residuals = turn.plan, turn.plan.broker_plan, self.placer.residuals
-        if residuals is None or broker is None or plan.reason != broker.reason or plan.path != plan_path(broker):
+        if residuals is None or broker is None or plan.reason != plan_reason(broker) or plan.path != plan_path(broker):
             return
         if turn.outcome.prefill_engine != plan.prefill.engine_id or turn.decode.engine_id != plan.decode.engine_id:
             return  # a fail-over: not what the planned engines cost

@@ -10,8 +10,9 @@ from kvloop.shared.config import ServiceConfig, parse_host_port, setting
 from kvloop.shared.protocol import DEFAULT_HOLD_S
 from kvloop.shared.telemetry import LOG_FORMATS, LOG_LEVELS
 from kvloop.shared.tls import check_files
+from kvloop.shared.vocabulary import Role
 
-ROLES = ("prefill", "decode", "both")
+ROLES = tuple(role.value for role in Role)
 ZMQ_SCHEMES = ("ipc://", "tcp://")
 
 
@@ -20,7 +21,7 @@ class SidecarConfig(ServiceConfig):
     ENV_PREFIX = "KVLOOP_SIDECAR_"
 
     engine_id: str = setting("", "the engine's NIXL engine id (required)")
-    role: str = setting("both", "the engine's P/D role", choices=ROLES)
+    role: Role = setting(Role.BOTH, "the engine's P/D role", choices=ROLES)
     broker: str = setting("", "broker address(es) host:port, comma-separated (required)")
     socket: Path | None = setting(None, "Unix socket the connector attaches to (required)")
     listen: str = setting("127.0.0.1:0", "gRPC health and reflection address, host:port (0 = a free port)")

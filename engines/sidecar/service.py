@@ -21,6 +21,7 @@ from kvloop.shared.grpc_server import start_grpc_server
 from kvloop.shared.hashing import ExtraKeys, block_keys
 from kvloop.shared.serving import freeze_started_heap, wait_for_stop, write_port_file
 from kvloop.shared.tls import TlsFiles
+from kvloop.shared.vocabulary import Role
 from kvloop.v1 import broker_pb2 as pb
 from kvloop.v1 import engine_link_pb2 as lpb
 from kvloop.v1 import engine_link_pb2_grpc
@@ -28,7 +29,7 @@ from kvloop.v1 import engine_link_pb2_grpc
 log = structlog.get_logger("kvloop.sidecar")
 tracer = trace.get_tracer("kvloop.sidecar")
 LINK_SERVICE = lpb.DESCRIPTOR.services_by_name["EngineLink"].full_name
-ROLES = {"prefill": pb.ENGINE_ROLE_PREFILL, "decode": pb.ENGINE_ROLE_DECODE, "both": pb.ENGINE_ROLE_BOTH}
+ROLES = {Role.PREFILL: pb.ENGINE_ROLE_PREFILL, Role.DECODE: pb.ENGINE_ROLE_DECODE, Role.BOTH: pb.ENGINE_ROLE_BOTH}
 
 
 class Sidecar(engine_link_pb2_grpc.EngineLinkServicer):

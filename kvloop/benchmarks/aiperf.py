@@ -21,6 +21,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvloop.shared import headers as hdr
+
 VERSION = "0.13.0"
 RECORDS = "profile_export.jsonl"
 """AIPerf's per-request export, one JSON object a line (``metadata`` and ``metrics``)."""
@@ -106,7 +108,7 @@ def command(exe: Path, *, model: str, tokenizer: Path | str, url: str, concurren
     """The AIPerf command line for one load point."""
     argv = [str(exe), "profile", "--model", model, "--tokenizer", str(tokenizer), "--url", url,
             "--endpoint-type", "chat" if isinstance(load, AgentLoad) else "completions", "--streaming",
-            "--goodput", slo.aiperf(), "--session-header", "x-session-id", "--artifact-dir", str(artifacts),
+            "--goodput", slo.aiperf(), "--session-header", hdr.SESSION_ID, "--artifact-dir", str(artifacts),
             "--ui-type", "none", "--no-server-metrics", "--no-gpu-telemetry", "--use-server-token-count",
             "--request-timeout-seconds", f"{timeout_s:g}", "--extra-inputs", "ignore_eos:true",
             "--concurrency", str(concurrency)]

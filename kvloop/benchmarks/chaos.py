@@ -49,7 +49,9 @@ from kvloop.benchmarks.workload import AgentSpec, Conversation, agent
 from kvloop.engine_set import EngineSet, start_engines
 from kvloop.engines.config import EngineConfig, default_work_dir
 from kvloop.engines.model import ensure_tiny_model
+from kvloop.shared import headers as hdr
 from kvloop.shared.http import sse_data, sse_measured
+from kvloop.shared.vocabulary import Role
 from kvloop.v1 import broker_pb2 as pb
 
 REFERENCE_CONCURRENCY = 16
@@ -104,12 +106,12 @@ class Run:
         ids: list[int] = []
         try:
             async with http.post(f"{self.cluster.router.url}/v1/completions", json=body,
-                                 headers={"x-session-id": session},
+                                 headers={hdr.SESSION_ID: session},
                                  timeout=aiohttp.ClientTimeout(total=self.args.client_timeout_s)) as reply:
-                rec.path = reply.headers.get("x-kvloop-decision", "")
-                rec.reason = reply.headers.get("x-kvloop-reason", "")
-                rec.prefill_engine = reply.headers.get("x-kvloop-prefill-engine", "")
-                rec.decode_engine = reply.headers.get("x-kvloop-decode-engine", "")
+                rec.path = reply.headers.get(hdr.DECISION, "")
+                rec.reason = reply.headers.get(hdr.REASON, "")
+                rec.prefill_engine = reply.headers.get(hdr.PREFILL_ENGINE, "")
+                rec.decode_engine = reply.headers.get(hdr.DECODE_ENGINE, "")
                 if reply.status >= 400:
                     rec.status, rec.error = f"http_{reply.status}", (await reply.text())[:300]
                     return rec
@@ -208,7 +210,7 @@ class Run:
         while True:
             row: dict[str, Any] = {"t": round(self.now(), 1), "rss": c.rss_bytes(),
                                    "pids": {k: p.popen.pid for k, p in c.brokers.items()}, "blocks": {}}
-            for eid in c.roles("decode"):
+            for eid in c.roles(Role.DECODE):
                 with contextlib.suppress(Exception):  # an engine down for a fault has no figure
                     row["blocks"][eid] = (await asyncio.to_thread(c.engine_blocks, eid))[0]
             self.samples.append(row)
@@ -272,7 +274,7 @@ class Run:
 
     async def inject(self, fault: Fault) -> FaultRecord:
         c = self.cluster
-        decodes = c.roles("decode")
+        decodes = c.roles(Role.DECODE)
         target = decodes[fault.target % len(decodes)]
         note = ""
         if fault.kind in ("decode_kill", "decode_stop"):
@@ -321,7 +323,7 @@ async def check_books(cluster: ChaosCluster, lease_ttl_s: float) -> dict[str, An
     """Once settled, the broker's leases against the engines' held blocks and the sidecars' books; then, after
     the leases' TTL, every engine back to holding nothing and the broker to listing nothing."""
     await asyncio.gather(*(cluster.wait_engine(eid) for eid in cluster.engines))
-    decodes = cluster.roles("decode")
+    decodes = cluster.roles(Role.DECODE)
 
     async def compare() -> dict[str, Any]:
         _, reply = await cluster.wait_leader()
@@ -369,7 +371,7 @@ async def check_books(cluster: ChaosCluster, lease_ttl_s: float) -> dict[str, An
 
 def start_reference(model: Path, work: Path) -> EngineSet:
     """The reference engine: float32, prefix cache off, no connector (blocking; minutes on a loaded machine)."""
-    config = EngineConfig(role="both", model=model, engine_id="reference", work_dir=work / "reference",
+    config = EngineConfig(role=Role.BOTH, model=model, engine_id="reference", work_dir=work / "reference",
                           connector="none", dtype="float32", max_model_len=16384, log_level="warning",
                           extra_vllm_args="--no-enable-prefix-caching")
     return start_engines([config])

@@ -24,6 +24,7 @@ from kvloop.router.server import RunningRouter, start_router
 from kvloop.shared import procs
 from kvloop.shared.client import BrokerClient
 from kvloop.shared.http import metric_total, read_metrics
+from kvloop.shared.vocabulary import Role
 from kvloop.v1 import broker_pb2 as pb
 
 REPLICAS = ("a", "b")
@@ -75,7 +76,7 @@ class ChaosCluster:
                 await cluster.start_broker(replica)
             await cluster.wait_leader()
             configs = [cluster.engine_config(model, role, i) for i, role in
-                       enumerate(["prefill"] * settings.prefill + ["decode"] * settings.decode)]
+                       enumerate([Role.PREFILL] * settings.prefill + [Role.DECODE] * settings.decode)]
             for config in configs:
                 plan = plan_engine(config)
                 if plan.sidecar_env is not None:
@@ -97,13 +98,13 @@ class ChaosCluster:
             raise
         return cluster
 
-    def engine_config(self, model: Path, role: str, index: int) -> EngineConfig:
+    def engine_config(self, model: Path, role: Role, index: int) -> EngineConfig:
         s = self.settings
         return EngineConfig(role=role, model=model, engine_id=f"{role}-{index}", work_dir=self.work, dtype="float32",
                             broker=self.broker_addresses, connector="kvloop", max_model_len=s.max_model_len,
                             omp_threads_bind=role_cores(role), hold_s=s.hold_s, lease_ttl_s=s.lease_ttl_s,
                             log_level="warning", port=pick_port(), nixl_port=pick_port(),
-                            host_tier_blocks=s.host_tier_blocks if role == "decode" else 0,
+                            host_tier_blocks=s.host_tier_blocks if role == Role.DECODE else 0,
                             retention_fraction=s.retention_fraction)
 
     async def start_broker(self, replica: str) -> None:
@@ -169,7 +170,7 @@ class ChaosCluster:
             await asyncio.sleep(0.3)
         raise TimeoutError(f"engine {engine_id} never registered with the leader:\n{engine.log_tail()}")
 
-    def roles(self, role: str) -> list[str]:
+    def roles(self, role: Role) -> list[str]:
         return sorted(eid for eid, e in self.engines.items() if e.plan.config.role == role)
 
     def sidecar_metrics(self, engine_id: str) -> dict[str, float]:

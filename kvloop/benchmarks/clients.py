@@ -14,6 +14,7 @@ from typing import Any
 
 import aiohttp
 
+from kvloop.shared import headers as hdr
 from kvloop.shared.http import sse_data, sse_measured
 from kvloop.shared.protocol import PrefillReport, prefill_only_params
 from kvloop.shared.vocabulary import Path
@@ -68,7 +69,7 @@ async def stream(http: aiohttp.ClientSession, url: str, body: dict[str, Any], t0
         async for line in reply.content:
             measured = sse_measured(line)  # kvloop's DECODE_LOCAL streams: the engine's account, at the end
             if measured is not None:
-                got.update({f"x-kvloop-{k}": str(v) for k, v in measured.items()})
+                got.update({hdr.header(k): str(v) for k, v in measured.items()})
             chunk = sse_data(line)
             if chunk is None:
                 continue
@@ -171,11 +172,11 @@ class RouterClient(Client):
         t0 = time.perf_counter()
         ids, ttft, itl, headers = await stream(self.http, f"{self.router}/v1/completions",
                                                self.body(prompt, max_tokens), t0, self.timeout_s,
-                                               headers={"x-session-id": conv})
-        detail = {k.lower().removeprefix("x-kvloop-"): v for k, v in headers.items()
-                  if k.lower().startswith("x-kvloop-")}
-        return Served(ids, ttft, time.perf_counter() - t0, detail.get("decision", "?"), itl, headers=detail,
-                      prefill_engine=detail.get("prefill-engine", ""), decode_engine=detail.get("decode-engine", ""))
+                                               headers={hdr.SESSION_ID: conv})
+        detail = hdr.of_reply(headers)
+        return Served(ids, ttft, time.perf_counter() - t0, detail.get(hdr.field(hdr.DECISION), "?"), itl,
+                      headers=detail, prefill_engine=detail.get(hdr.field(hdr.PREFILL_ENGINE), ""),
+                      decode_engine=detail.get(hdr.field(hdr.DECODE_ENGINE), ""))
 
 
 class AggregatedClient(Client):

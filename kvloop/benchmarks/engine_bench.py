@@ -38,6 +38,7 @@ from kvloop.engines.launcher import EngineProcess
 from kvloop.engines.layout import engine_fingerprint
 from kvloop.engines.model import ensure_tiny_model
 from kvloop.shared import procs
+from kvloop.shared.vocabulary import Role
 
 BLOCK = 128
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -82,7 +83,7 @@ def start_cluster(model: Path, work: Path, connector: str, broker: str) -> Engin
                                        connector=connector, broker=broker if connector == "kvloop" else "",
                                        engine_id=f"{role}-{i}", omp_threads_bind=role_cores(role),
                                        kv_connector_extra_config=extra, log_level="warning")
-                          for i, role in enumerate(("prefill", "prefill", "decode"))], timeout_s=900)
+                          for i, role in enumerate((Role.PREFILL, Role.PREFILL, Role.DECODE))], timeout_s=900)
 
 
 def one_way_turn(model: str, prefill: EngineProcess, decode: EngineProcess, prompt: list[int], max_tokens: int
@@ -165,7 +166,7 @@ def main(args: argparse.Namespace) -> int:
         result["idle_cpu"]["after_nothing_retained"] = idle_cpu(engines, args.idle_seconds)
         driver.turn(warm_prompt, max_tokens=16, session="warm", stream=True)
         result["idle_cpu"]["after_retained"] = idle_cpu(engines, args.idle_seconds)
-        prefills = [e.engine_id for e in engines.of_role("prefill")]
+        prefills = [e.engine_id for e in engines.of_role(Role.PREFILL)]
         shape = {"turns": args.turns, "first": args.first_tokens, "new": args.new_tokens, "out": args.output_tokens}
         on = run_session(driver, prefills, seed=1, transfer=True, session="on", **shape)
         off = run_session(driver, prefills, seed=2, transfer=False, session="off", **shape)

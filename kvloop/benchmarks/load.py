@@ -89,6 +89,7 @@ from kvloop.engines.config import DECODE_STEP_TOKENS, default_work_dir, split_co
 from kvloop.engines.model import ensure_tiny_model
 from kvloop.shared import mooncake
 from kvloop.shared.http import metric_by_label, read_metrics
+from kvloop.shared.vocabulary import Role
 
 CONFIGS = ("kvloop", "kvloop_pd", "kvloop_dp", "kvloop_single", "one_way", "aggregated", "aggregated_steps")
 BASELINE = "aggregated"
@@ -124,7 +125,7 @@ async def start(name: str, model: Path, work: Path, size: Sizing, timeout_s: flo
         shares = split_cores(2) if name == "kvloop_dp" else ["auto"]
 
         def fleet(broker: str) -> list[Any]:
-            return [engine_config(model, work, "both", i, connector="kvloop", broker=broker, size=size,
+            return [engine_config(model, work, Role.BOTH, i, connector="kvloop", broker=broker, size=size,
                                   blocks=None, extra={}, cores=cores) for i, cores in enumerate(shares)]
 
         cluster = await LocalCluster.start(fleet, work, separate_broker=True, broker={"engine_ttl_s": 10.0},
@@ -132,10 +133,10 @@ async def start(name: str, model: Path, work: Path, size: Sizing, timeout_s: flo
         engines: EngineSet = cluster.engines
     elif name == "one_way":
         def configs(broker: str) -> list[Any]:
-            prefills = [engine_config(model, work, "prefill", i, connector="kvloop", broker=broker, size=size,
+            prefills = [engine_config(model, work, Role.PREFILL, i, connector="kvloop", broker=broker, size=size,
                                       blocks=size.prefill_blocks, extra=BASELINE_EXTRA)
                         for i in range(size.prefill_engines)]
-            return [*prefills, engine_config(model, work, "decode", 2, connector="kvloop", broker=broker,
+            return [*prefills, engine_config(model, work, Role.DECODE, 2, connector="kvloop", broker=broker,
                                              size=size, blocks=None, extra=BASELINE_EXTRA)]
 
         cluster = await LocalCluster.start(configs, work, separate_broker=True, broker={"engine_ttl_s": 10.0},
@@ -143,7 +144,7 @@ async def start(name: str, model: Path, work: Path, size: Sizing, timeout_s: flo
                                                    **routing})
         engines = cluster.engines
     elif name == "aggregated_steps":
-        config = engine_config(model, work, "both", 0, connector="none", broker="", size=size, blocks=None, extra={},
+        config = engine_config(model, work, Role.BOTH, 0, connector="none", broker="", size=size, blocks=None, extra={},
                                cores="auto")
         engines = await asyncio.to_thread(start_engines, [replace(config, step_tokens=DECODE_STEP_TOKENS)])
         return engines, None, engines.by_id("both-0").url
@@ -230,7 +231,7 @@ async def run_point(name: str, load_value: float, url: str, router: str | None, 
                     out_dir: Path) -> tuple[dict[str, Any], StallReport]:
     """One load point's figures, and its stall check (its count and worst turn are in the figures too)."""
     urls = [e.url for e in engines]
-    serving = [e.url for e in engines if e.plan.config.role != "decode"]
+    serving = [e.url for e in engines if e.plan.config.role != Role.DECODE]
     concurrency = int(load_value) if isinstance(load, AgentLoad) else args.trace_concurrency
     hf_home = out_dir.parent.parent / "hf-home"
     tokenizer = aiperf.hub_tokenizer(model, hf_home)

@@ -67,6 +67,7 @@ from kvloop.engine_set import EngineSet, start_engines
 from kvloop.engines.config import EngineConfig, default_work_dir, role_cores
 from kvloop.engines.model import ensure_tiny_model
 from kvloop.shared.http import engine_client_connector, metric_by_label, metric_total, read_metrics
+from kvloop.shared.vocabulary import Role
 
 BLOCK = 128
 CONFIGS = ("one_way", "upstream", "kvloop", "kvloop_pd", "ideal", "ideal_same_cores")
@@ -126,14 +127,14 @@ CORES_HELP = ("split: each role's engines on their own half of the cores (kvloop
               "engine on every core")
 
 
-def role_binding(plan: str, role: str) -> str:
+def role_binding(plan: str, role: Role) -> str:
     """The ``omp_threads_bind`` of a P/D engine of ``role`` under the ``--cores`` plan."""
     return "auto" if plan == "shared" else role_cores(role)
 
 
 def cores_record(plan: str) -> dict[str, str]:
     """What the benchmark's JSON says about the P/D engines' cores."""
-    return {"plan": plan, **{role: role_binding(plan, role) for role in ("prefill", "decode")}}
+    return {"plan": plan, **{str(role): role_binding(plan, role) for role in (Role.PREFILL, Role.DECODE)}}
 
 
 def add_topology_arguments(parser: argparse.ArgumentParser) -> None:
@@ -185,7 +186,7 @@ class Progress:
 
 # Engines ---------------------------------------------------------------------------------------------------
 
-def engine_config(model: Path, work: Path, role: str, index: int, *, connector: str, broker: str, size: Sizing,
+def engine_config(model: Path, work: Path, role: Role, index: int, *, connector: str, broker: str, size: Sizing,
                   blocks: int | None, extra: dict[str, Any], cores: str | None = None,
                   host_tier: int = 0) -> EngineConfig:
     """``blocks``: vLLM's pool (None: as the KV cache size gives); ``host_tier``: blocks added to the allocation
@@ -211,15 +212,15 @@ async def start_config(name: str, model: Path, work: Path, size: Sizing, timeout
     tier = (size.decode_blocks or 0) if name == "kvloop_pressure_tier" else 0
 
     def pd(connector: str, broker: str, extra: dict[str, Any]) -> list[EngineConfig]:
-        prefills = [engine_config(model, work, "prefill", i, connector=connector, broker=broker, size=size,
+        prefills = [engine_config(model, work, Role.PREFILL, i, connector=connector, broker=broker, size=size,
                                   blocks=size.prefill_blocks, extra=extra) for i in range(size.prefill_engines)]
-        return [*prefills, engine_config(model, work, "decode", 2, connector=connector, broker=broker, size=size,
+        return [*prefills, engine_config(model, work, Role.DECODE, 2, connector=connector, broker=broker, size=size,
                                          blocks=size.decode_blocks, extra=extra, host_tier=tier)]
 
     if name in ("ideal", "ideal_same_cores"):
         # No KV connector: nothing is transferred, and the engine pays for no NIXL agent.
-        cores = "auto" if name == "ideal" else role_cores("decode")
-        config = engine_config(model, work, "both", 0, connector="none", broker="", size=size,
+        cores = "auto" if name == "ideal" else role_cores(Role.DECODE)
+        config = engine_config(model, work, Role.BOTH, 0, connector="none", broker="", size=size,
                                blocks=size.decode_blocks, extra={}, cores=cores)
         return await asyncio.to_thread(start_engines, [config]), None
     if name.startswith("kvloop"):
@@ -244,7 +245,7 @@ def client_for(name: str, http: aiohttp.ClientSession, model: str, timeout_s: fl
         return RouterClient(http, model, timeout_s, cluster.router.url)
     if name.startswith("ideal"):
         return AggregatedClient(http, model, timeout_s, engines.by_id("both-0").url)
-    prefills = [e.url for e in engines.of_role("prefill")]
+    prefills = [e.url for e in engines.of_role(Role.PREFILL)]
     cls = UpstreamClient if name.startswith("upstream") else OneWayClient
     return cls(http, model, timeout_s, prefills, engines.by_id("decode-2").url)
 
@@ -320,7 +321,7 @@ async def run_config(name: str, repeat: int, model: Path, work: Path, conversati
                                           records_path)
     try:
         urls = [e.url for e in engines]
-        serving = [e.url for e in engines if e.plan.config.role != "decode"]
+        serving = [e.url for e in engines if e.plan.config.role != Role.DECODE]
         before = await asyncio.to_thread(engine_snapshot, urls, serving)
         t0 = time.monotonic()
         async with aiohttp.ClientSession(connector=engine_client_connector(64)) as http:
@@ -650,7 +651,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                                      "answer), its prefill-side TTFT is prefill_ttft_ms"},
                 "engines": {"baseline_connector": BASELINE_EXTRA, "upstream_connector": UPSTREAM_EXTRA,
                             "cores": {**cores_record(args.cores), "ideal": "auto",
-                                      "ideal_same_cores": role_cores("decode")},
+                                      "ideal_same_cores": role_cores(Role.DECODE)},
                             "health": {"factor": HEALTH_FACTOR, "turn_overhead_s": TURN_OVERHEAD_S,
                                        "stall_s": STALL_S, "turn_stall_bound_s": BOUND_S}},
                 "machine": {"cpus": len(os.sched_getaffinity(0)), "model": str(model)},

@@ -27,6 +27,7 @@ from typing import Any
 
 import aiohttp
 
+from kvloop.shared import headers as hdr
 from kvloop.shared.http import aiter_sse
 
 WORDS = ("time", "year", "way", "day", "man", "child", "state", "family", "group", "hand", "part", "place", "case",
@@ -74,7 +75,7 @@ async def chat_turn(http: aiohttp.ClientSession, url: str, model: str, messages:
     """One streamed chat turn; the answer's text. Raises RuntimeError naming the status and body on an error."""
     body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True}
     text: list[str] = []
-    async with http.post(f"{url}/v1/chat/completions", json=body, headers={"x-session-id": session}) as reply:
+    async with http.post(f"{url}/v1/chat/completions", json=body, headers={hdr.SESSION_ID: session}) as reply:
         if reply.status != 200:
             raise RuntimeError(f"warm-up turn of {session}: HTTP {reply.status}: {(await reply.text())[:300]}")
         async for event in aiter_sse(reply.content):

@@ -222,7 +222,9 @@ def complete_request(pin: Any, report: PrefillReport | None) -> Any:
 def plan_attributes(plan: Any) -> dict[str, Any]:
     """A ``Plan``'s span attributes, the same on the router's ``kvloop.turn`` and the broker's placement span:
     the planned path (``kvloop.planned``), ``kvloop.plan.*`` (why, what it matched and would reuse, which engines)
-    and each path's estimated cost (``kvloop.cost.*``)."""
+    and each path's estimated cost (``kvloop.cost.*``). The reason and veto are the words as the broker said them
+    (strings on the wire: :mod:`kvloop.shared.vocabulary`), so a trace shows a newer broker's word that the
+    router's own ``kvloop.reason`` reports as ``unknown``."""
     cost = plan.cost
     return {"kvloop.planned": broker_pb2.Decision.Name(plan.decision).removeprefix("DECISION_"),
             "kvloop.plan.reason": plan.reason,

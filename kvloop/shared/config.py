@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import os
 import socket
 import types
@@ -90,6 +91,12 @@ def _coerce(name: str, tp: type, raw: Any) -> Any:
             if not isinstance(raw, str | int | float):
                 raise ValueError("expected a string")
             return str(raw)
+        if isinstance(tp, type) and issubclass(tp, enum.StrEnum):
+            # A word of the vocabulary (an engine's role): its member. An enum field lists its words as choices,
+            # so a word not among them is refused by that check, naming the flag, variable or file it came from.
+            if not isinstance(raw, str):
+                raise ValueError("expected a string")
+            return tp(raw) if raw in {member.value for member in tp} else raw
     except ValueError as exc:
         raise ConfigError(f"{name}: {exc} (got {raw!r})", field=name) from None
     raise ConfigError(f"{name}: unsupported config type {tp}", field=name)

@@ -1,15 +1,40 @@
-"""The words services say to each other about a turn: its path, the plan's reason, the DECODE_LOCAL veto and the
-router's fallbacks. Stdlib only; every service, benchmark and ``kvloop analyze`` names them from here.
+"""The words services say to each other about a turn: its path, the plan's reason, the DECODE_LOCAL veto, the
+router's fallbacks and the plan's outcome; and the engines' roles. Stdlib only; every service, benchmark and
+``kvloop analyze`` names them from here.
 
 They are ``StrEnum``: each member is its wire and metric-label string (``Reason.LOCAL_PREFIX == "local_prefix"``),
 so plans, headers, span attributes and turn records carry the same text, and a reader that receives one compares
 it with a member, never with a literal. ``tests/unit/test_vocabulary.py`` checks that each value is documented
 in docs/architecture.md and that the proto's ``Decision`` names the same paths.
+
+On the wire, reasons and vetoes stay strings (``Plan.reason``, ``Plan.decode_local_veto`` in broker.proto), not
+proto enums: a router and a broker of different versions (a rolling upgrade) still understand each other, and a
+word one side adds reaches the other's logs as it was said instead of as a number it cannot name. A reader decodes
+them once, where the plan arrives (:func:`reason_from_wire`, :func:`veto_from_wire`); a word it does not know
+becomes ``UNKNOWN``, logged with the word.
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Literal
+
+
+class Role(StrEnum):
+    """An engine's part in P/D: it prefills (and lends its KV), decodes (and retains KV), or does both. The engines'
+    ``--role``, the router's directory and the broker's registrations (``EngineRole`` on the wire) say these."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BOTH = "both"
+
+    @property
+    def can_prefill(self) -> bool:
+        return self in (Role.PREFILL, Role.BOTH)
+
+    @property
+    def can_decode(self) -> bool:
+        return self in (Role.DECODE, Role.BOTH)
 
 
 class Path(StrEnum):
@@ -44,6 +69,9 @@ class Reason(StrEnum):
     """DECODE_LOCAL planned on an engine the router does not list (yet): recomputed through P/D."""
     SOURCE_IS_PREFILL = "source_is_prefill"
     """The benchmarks' P/D driver: the lease is on the prefill engine itself, nothing to pull."""
+    UNKNOWN = "unknown"
+    """A reason this reader does not know, from a newer broker (the wire carries the word as a string): the reader
+    logs the word and carries this in its place (:func:`reason_from_wire`). No service sends it."""
 
 
 class Veto(StrEnum):
@@ -60,6 +88,8 @@ class Veto(StrEnum):
     ``decode_local_max_tokens`` (or unknown): a chunk of it would hold up a step of every stream longer than a short
     tail may."""
     COSTLIER = "costlier"
+    UNKNOWN = "unknown"
+    """A veto this reader does not know, from a newer broker: as :attr:`Reason.UNKNOWN`. No service sends it."""
 
 
 class Fallback(StrEnum):
@@ -78,3 +108,45 @@ class Fallback(StrEnum):
 
 NO_PLAN = frozenset({Fallback.NO_BROKER, Fallback.NO_LAYOUT, Fallback.BROKER_UNAVAILABLE, Fallback.PLACE_REFUSED})
 """The fallbacks that leave a turn without a plan: its reason is the fallback's cause."""
+
+UNKNOWN_WORDS = frozenset({Reason.UNKNOWN, Veto.UNKNOWN})
+"""What a reader carries in place of a reason or veto it does not know (:func:`reason_from_wire`,
+:func:`veto_from_wire`). No service sends them: the broker's rules and paths name every other word."""
+
+TurnReason = Reason | Fallback
+"""A turn's reason: the plan's (:class:`Reason`), or the fallback's cause when there was no plan (:data:`NO_PLAN`)."""
+
+NoVeto = Literal[""]
+"""The veto of a plan that took DECODE_LOCAL, or could not (no decode engine held the prefix)."""
+
+
+class PlanOutcome(StrEnum):
+    """How the path a turn took by the engines' own accounts compares with its plan (``router/truth.py``): the
+    ``x-kvloop-plan-outcome`` header, span attribute ``kvloop.plan_vs_actual``,
+    ``kvloop_router_plan_outcomes_total{outcome}``."""
+
+    AS_PLANNED = "as_planned"
+    OTHER_PATH = "other_path"
+    """The actual path differs from the planned one."""
+    LESS_REUSED = "less_reused"
+    """The planned path, with fewer tokens reused than planned by more than one block."""
+
+
+def reason_from_wire(word: str) -> Reason:
+    """A plan's ``reason`` as said on the wire, as a :class:`Reason`; :attr:`Reason.UNKNOWN` for a word this reader
+    does not know (the caller logs it: ``result != word``). See the module's note on the wire."""
+    try:
+        return Reason(word)
+    except ValueError:
+        return Reason.UNKNOWN
+
+
+def veto_from_wire(word: str) -> Veto | NoVeto:
+    """A plan's ``decode_local_veto`` as said on the wire: "" (none), a :class:`Veto`, or :attr:`Veto.UNKNOWN` for
+    a word this reader does not know (the caller logs it: ``result != word``). See the module's note on the wire."""
+    if not word:
+        return ""
+    try:
+        return Veto(word)
+    except ValueError:
+        return Veto.UNKNOWN

@@ -96,6 +96,8 @@ async def chat(router: str, prefill: str, broker: str, model: str, turns: int, t
                ) -> dict[str, Any]:
     import aiohttp
 
+    from kvloop.shared import headers as hdr
+
     out: dict[str, Any] = {"engines": await engine_addresses(broker, token), "turns": []}
     messages = [{"role": "system", "content": SYSTEM}]
     async with aiohttp.ClientSession(trust_env=False, timeout=aiohttp.ClientTimeout(total=180)) as http:
@@ -107,7 +109,7 @@ async def chat(router: str, prefill: str, broker: str, model: str, turns: int, t
                     "top_logprobs": 2, "cache_salt": f"netns-agent-turn-{turn}"}
             before = await lease_ids(broker, token)
             async with http.post(f"{router}/v1/chat/completions", json=body,
-                                 headers={"x-session-id": "netns-agent"}) as reply:
+                                 headers={hdr.SESSION_ID: "netns-agent"}) as reply:
                 status, headers, answer = reply.status, dict(reply.headers), await reply.json(content_type=None)
             if status != 200:
                 out["turns"].append({"status": status, "reply": answer})
@@ -119,7 +121,7 @@ async def chat(router: str, prefill: str, broker: str, model: str, turns: int, t
                 reference = await reply.json(content_type=None)
             out["turns"].append({"status": status, "reply": answer, "reference": reference,
                                  "headers": {k.lower(): v for k, v in headers.items()
-                                             if k.lower().startswith("x-kvloop-")}})
+                                             if k.lower().startswith(hdr.PREFIX)}})
             messages.append({"role": "assistant", "content": answer["choices"][0]["message"]["content"]})
             # The decode engine's sidecar publishes this turn's KV a few ms after the answer: wait for it (bounded)
             # so the next turn's placement sees it.

@@ -33,7 +33,9 @@ from typing import Any
 import pytest
 
 from kvloop.engines.config import split_cores
+from kvloop.shared import headers as hdr
 from kvloop.shared.auth import ClusterCredentials
+from kvloop.shared.vocabulary import Reason
 from tests.engines.conftest import BROKER_FLAGS, EXTRA_CONFIG
 from tests.support.engine_checks import assert_same_tokens
 
@@ -370,15 +372,15 @@ def test_services_in_separate_namespaces_transfer_over_the_test_subnet(netns_per
 
     turns = out["turns"]
     assert [t["status"] for t in turns] == [200, 200, 200], turns
-    decisions = [t["headers"]["x-kvloop-decision"] for t in turns]
+    decisions = [t["headers"][hdr.DECISION] for t in turns]
     assert decisions[0] == "RECOMPUTE" and decisions[1:] == ["TRANSFER", "TRANSFER"], (decisions, logs)
     pulled = 0
     for turn in turns[1:]:
         h = turn["headers"]
-        assert h["x-kvloop-reason"] == "transfer_cheaper", h
-        assert int(h["x-kvloop-pulled-tokens"]) == int(h["x-kvloop-matched-tokens"]) > 300, h
-        assert int(h["x-kvloop-computed-tokens"]) < int(h["x-kvloop-prompt-tokens"]), h
-        pulled += int(h["x-kvloop-pulled-tokens"])
+        assert h[hdr.REASON] == Reason.TRANSFER_CHEAPER, h
+        assert int(h[hdr.PULLED_TOKENS]) == int(h[hdr.MATCHED_TOKENS]) > 300, h
+        assert int(h[hdr.COMPUTED_TOKENS]) < int(h[hdr.PROMPT_TOKENS]), h
+        pulled += int(h[hdr.PULLED_TOKENS])
     for turn in turns:  # the answers are what the prefill engine computes alone, from scratch
         assert_same_tokens(turn["reply"], turn["reference"])
     # The pulled KV crossed the decode engine's veth (prefill reads it from decode over UCX/TCP).

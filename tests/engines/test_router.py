@@ -22,7 +22,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from kvloop.router.config import RouterConfig
 from kvloop.router.residuals import PathResiduals
 from kvloop.router.server import RunningRouter, start_router
+from kvloop.shared import headers as hdr
 from kvloop.shared.http import aiter_sse
+from kvloop.shared.vocabulary import PlanOutcome
 from tests.support.engine_checks import assert_same_tokens
 
 if TYPE_CHECKING:
@@ -189,11 +191,11 @@ async def test_each_path_is_taken_when_it_should_be_and_answers_match_recompute(
     spans = turn_spans()
     assert len(spans) == 5
     assert [s.attributes["kvloop.path"] for s in spans] == expected, [dict(s.attributes) for s in spans]
-    assert [h["x-kvloop-decision"] for h in headers] == expected[:3] + expected[4:]
+    assert [h[hdr.DECISION] for h in headers] == expected[:3] + expected[4:]
     for span in spans:
         attrs = span.attributes
         assert attrs["kvloop.session"] == "agent-1" and attrs["kvloop.planned"] == attrs["kvloop.path"]
-        assert attrs["kvloop.plan_vs_actual"] == "as_planned" and attrs["kvloop.measured"], dict(attrs)
+        assert attrs["kvloop.plan_vs_actual"] == PlanOutcome.AS_PLANNED and attrs["kvloop.measured"], dict(attrs)
         assert (attrs["kvloop.local_tokens"] + attrs["kvloop.pulled_tokens"] + attrs["kvloop.recomputed_tokens"]
                 == attrs["gen_ai.usage.input_tokens"])
         assert attrs["gen_ai.request.model"] == model and attrs["kvloop.ttft_ms"] > 0

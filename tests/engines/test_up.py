@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 import pytest
 
+from kvloop.shared import headers as hdr
 from kvloop.shared.auth import mint, read_token
 from kvloop.shared.tls import insecure_or_secure_channel
 from kvloop.v1 import broker_pb2 as pb
@@ -213,7 +214,7 @@ def more_turns(router: str, model: str, turns: int) -> list[tuple[int, set[str]]
                                          headers={"content-type": "application/json"})
         with urllib.request.urlopen(request, timeout=300) as reply:
             answer = json.loads(reply.read())
-            named = {reply.headers.get(h, "") for h in ("x-kvloop-prefill-engine", "x-kvloop-decode-engine")} - {""}
+            named = {reply.headers.get(h, "") for h in (hdr.PREFILL_ENGINE, hdr.DECODE_ENGINE)} - {""}
             out.append((reply.status, named))
         messages.append({"role": "assistant", "content": answer["choices"][0]["message"]["content"]})
     return out

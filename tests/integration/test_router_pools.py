@@ -17,10 +17,12 @@ import pytest_asyncio
 
 from kvloop.router.config import RouterConfig
 from kvloop.router.server import RunningRouter, start_router
+from kvloop.shared import headers as hdr
 from kvloop.shared import procs
 from kvloop.shared.client import wait_serving
 from kvloop.shared.errors import ConfigError
 from kvloop.shared.tls import insecure_or_secure_channel
+from kvloop.shared.vocabulary import NO_PLAN
 from kvloop.v1 import broker_pb2 as pb
 from kvloop.v1 import broker_pb2_grpc
 from tests.integration.conftest import ModuleBrokerFactory
@@ -86,8 +88,8 @@ async def test_each_model_is_served_by_its_own_pool(pooled: tuple[RunningRouter,
         status, reply, headers = await ask(router.url, model)
         assert status == 200, reply
         # Placed by the model's broker: the only one that lists these engines (pools have no fallback URLs).
-        assert headers["x-kvloop-decode-engine"] == f"{model}-decode", headers
-        assert headers["x-kvloop-reason"] not in ("broker_unavailable", "no_broker", "place_refused"), headers
+        assert headers[hdr.DECODE_ENGINE] == f"{model}-decode", headers
+        assert headers[hdr.REASON] not in NO_PLAN, headers
         other = next(m for m in POOLS if m != model)
         assert len(fakes[other].models) == before[other]  # the other pool saw nothing
         assert fakes[model].models[before[model]:] and set(fakes[model].models[before[model]:]) == {model}

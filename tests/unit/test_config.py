@@ -15,6 +15,7 @@ import yaml
 from kvloop.broker.config import BrokerConfig
 from kvloop.shared.config import ServiceConfig, parse_host_port, setting
 from kvloop.shared.errors import ConfigError, InvalidArgument
+from kvloop.shared.vocabulary import Role
 
 
 @dataclass(frozen=True)
@@ -247,6 +248,32 @@ def test_valid_choices() -> None:
     assert (config.store, config.eviction_policy, config.log_format) == ("etcd", "lru", "json")
     assert DemoConfig.load({}, env={"DEMO_NAME": "y"}).name == "y"
     config_error(lambda: DemoConfig.load({}, env={"DEMO_NAME": "z"}), "name")
+
+
+@dataclass(frozen=True)
+class RoleConfig(ServiceConfig):
+    ENV_PREFIX = "ROLE_"
+
+    role: Role = setting(Role.BOTH, "a word of the vocabulary", choices=tuple(r.value for r in Role))
+
+
+def test_a_vocabulary_field_loads_as_its_member_and_refuses_other_words(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    RoleConfig.add_arguments(parser)
+    assert RoleConfig.load(parser.parse_args(["--role", "prefill"]), env={}).role is Role.PREFILL
+    assert RoleConfig.load({}, env={"ROLE_ROLE": "decode"}).role is Role.DECODE
+    assert RoleConfig.load({}, env={}, config_file=write_yaml(tmp_path, {"role": "both"})).role is Role.BOTH
+    exc = config_error(lambda: RoleConfig.load({}, env={"ROLE_ROLE": "router"}), "role")
+    assert "ROLE_ROLE" in str(exc) and "'router'" in str(exc) and "['prefill', 'decode', 'both']" in str(exc)
+    config_error(lambda: RoleConfig.load({}, env={}, config_file=write_yaml(tmp_path, {"role": 3})), "role")
+
+
+def test_the_engines_roles_are_the_vocabularys() -> None:
+    from kvloop.engines.config import ROLES, EngineConfig
+    from kvloop.engines.sidecar.config import ROLES as SIDECAR_ROLES
+    from kvloop.engines.sidecar.config import SidecarConfig
+    assert ROLES == SIDECAR_ROLES == ("prefill", "decode", "both")
+    assert EngineConfig().role is SidecarConfig().role is Role.BOTH
 
 
 # ------------------------------------------------------------------------------------------ validate()

@@ -25,7 +25,9 @@ from kvloop.benchmarks.load_stats import (
 )
 from kvloop.benchmarks.multiturn import cores_record, role_binding
 from kvloop.engines.config import role_cores
+from kvloop.shared import headers as hdr
 from kvloop.shared.errors import ConfigError
+from kvloop.shared.vocabulary import Role
 
 RECORD = {"metadata": {"conversation_id": "session_000001", "turn_index": 2, "request_start_ns": 1_000_000_000,
                        "request_end_ns": 1_500_000_000},
@@ -59,7 +61,7 @@ def test_the_command_carries_the_slo_the_session_header_and_the_workload(tmp_pat
                           timeout_s=60)
     pairs = dict(zip(argv[2::2], argv[3::2], strict=False))
     assert argv[:2] == ["/x/aiperf", "profile"] and "--streaming" in argv
-    assert "time_to_first_token:800 inter_token_latency:40" in argv and "x-session-id" in argv
+    assert "time_to_first_token:800 inter_token_latency:40" in argv and hdr.SESSION_ID in argv
     assert argv[argv.index("--concurrency") + 1] == "8" and argv[argv.index("--conversation-num") + 1] == "16"
     assert argv[argv.index("--shared-system-prompt-length") + 1] == "1500" and pairs
     trace = aiperf.command(Path("a"), model="m", tokenizer=tmp_path, url="u", concurrency=64,
@@ -142,7 +144,8 @@ def test_the_tokenizer_is_named_as_a_cached_hub_repo_linked_to_the_model(tmp_pat
 
 
 def test_the_cores_plan_binds_p_d_engines_by_role_or_to_every_core() -> None:
-    assert [role_binding("split", r) for r in ("prefill", "decode")] == [role_cores("prefill"), role_cores("decode")]
+    assert [role_binding("split", r) for r in (Role.PREFILL, Role.DECODE)] == [role_cores(Role.PREFILL),
+                                                                              role_cores(Role.DECODE)]
     assert cores_record("shared") == {"plan": "shared", "prefill": "auto", "decode": "auto"}
     parser = argparse.ArgumentParser()
     add_arguments(parser)

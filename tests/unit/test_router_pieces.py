@@ -16,6 +16,7 @@ from kvloop.router.turn import TurnError
 from kvloop.shared.client import complete_request, transfer_params
 from kvloop.shared.errors import ConfigError
 from kvloop.shared.protocol import BANDWIDTH_SAMPLE_MIN_BYTES, LEASE_READ_PREFIX, PrefillReport
+from kvloop.shared.vocabulary import Role
 from kvloop.v1 import broker_pb2 as pb
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -59,22 +60,22 @@ def inspect_reply(*engines: tuple[str, int, str]) -> pb.InspectResponse:
 def test_directory_prefers_the_broker_list_and_round_robins() -> None:
     config = RouterConfig(broker="127.0.0.1:1", prefill_urls="http://static-p:1", decode_urls="http://static-d:1")
     d = Directory(config)
-    assert [e.http for e in d.of_role("prefill")] == ["http://static-p:1"]  # nothing learned yet
+    assert [e.http for e in d.of_role(Role.PREFILL)] == ["http://static-p:1"]  # nothing learned yet
     assert d.layout() is None
     d.update(inspect_reply(("p1", pb.ENGINE_ROLE_PREFILL, "http://p1:8000"), ("p2", pb.ENGINE_ROLE_PREFILL,
                                                                               "http://p2:8000/"),
                            ("d1", pb.ENGINE_ROLE_DECODE, "http://d1:8000"), ("b1", pb.ENGINE_ROLE_BOTH, "http://b1:1")),
              now=0.0)
-    assert {e.engine_id for e in d.of_role("prefill")} == {"p1", "p2", "b1"}
-    assert {e.engine_id for e in d.of_role("decode")} == {"d1", "b1"}
-    picks = {d.pick("prefill").engine_id for _ in range(6)}  # type: ignore[union-attr]
+    assert {e.engine_id for e in d.of_role(Role.PREFILL)} == {"p1", "p2", "b1"}
+    assert {e.engine_id for e in d.of_role(Role.DECODE)} == {"d1", "b1"}
+    picks = {d.pick(Role.PREFILL).engine_id for _ in range(6)}  # type: ignore[union-attr]
     assert picks == {"p1", "p2", "b1"}
-    assert d.pick("decode", exclude={"d1", "b1"}) is None
+    assert d.pick(Role.DECODE, exclude={"d1", "b1"}) is None
     # Alternating picks of the two roles still spread over both decode engines (one counter per role).
     decodes = set()
     for _ in range(4):
-        d.pick("prefill")
-        decodes.add(d.pick("decode").engine_id)  # type: ignore[union-attr]
+        d.pick(Role.PREFILL)
+        decodes.add(d.pick(Role.DECODE).engine_id)  # type: ignore[union-attr]
     assert decodes == {"d1", "b1"}
     assert d.engines["p2"].http == "http://p2:8000" and d.layout() == ("fp", 128)
 
@@ -94,12 +95,12 @@ def test_directory_places_each_model_with_its_own_engines_and_layout() -> None:
         engine("b-p", pb.ENGINE_ROLE_PREFILL, "fp-b", "model-b", 16),
         engine("b-d", pb.ENGINE_ROLE_DECODE, "fp-b", "model-b", 16)]), now=0.0)
     assert d.layout("model-a") == ("fp-a", 128) and d.layout("model-b") == ("fp-b", 16)
-    assert {e.engine_id for e in d.of_role("prefill", "model-a")} == {"a-p"}
-    assert {e.engine_id for e in d.of_role("decode", "model-b")} == {"b-d", "bogus"}  # said nothing: any model
+    assert {e.engine_id for e in d.of_role(Role.PREFILL, "model-a")} == {"a-p"}
+    assert {e.engine_id for e in d.of_role(Role.DECODE, "model-b")} == {"b-d", "bogus"}  # said nothing: any model
     assert d.models() == {"model-a", "model-b"} and d.knows("model-a") and d.knows("model-c")  # bogus serves any
     d.update(pb.InspectResponse(engines=[engine("a-p", pb.ENGINE_ROLE_PREFILL, "fp-a", "model-a")]), now=1.0)
-    assert not d.knows("model-c") and d.layout("model-c") is None and d.of_role("prefill", "model-c") == []
-    assert d.of_role("decode", "model-a") == []  # the broker lists no decode engine: the configured URLs (none)
+    assert not d.knows("model-c") and d.layout("model-c") is None and d.of_role(Role.PREFILL, "model-c") == []
+    assert d.of_role(Role.DECODE, "model-a") == []  # the broker lists no decode engine: the configured URLs (none)
 
 
 def test_an_engine_the_broker_stops_listing_stays_a_last_resort_for_a_while() -> None:
@@ -107,27 +108,27 @@ def test_an_engine_the_broker_stops_listing_stays_a_last_resort_for_a_while() ->
     both = inspect_reply(("d1", pb.ENGINE_ROLE_DECODE, "http://d1:1"), ("d2", pb.ENGINE_ROLE_DECODE, "http://d2:1"),
                          ("p1", pb.ENGINE_ROLE_PREFILL, "http://p1:1"))
     d.update(both, now=0.0)
-    assert d.last_resort("decode") == []
+    assert d.last_resort(Role.DECODE) == []
     # d2's sidecar restarts: the broker lists d1 and p1 only; d2 is a last resort, not a listed engine.
     d.update(inspect_reply(("d1", pb.ENGINE_ROLE_DECODE, "http://d1:1"), ("p1", pb.ENGINE_ROLE_PREFILL,
                                                                            "http://p1:1")), now=10.0)
-    assert [e.engine_id for e in d.of_role("decode")] == ["d1"] and d.pick("decode").engine_id == "d1"  # type: ignore[union-attr]
-    assert [e.engine_id for e in d.last_resort("decode")] == ["d2"] and d.last_resort("prefill") == []
-    assert d.pick("decode", exclude={"d1"}).engine_id == "d2"  # type: ignore[union-attr]  # every listed one failed
+    assert [e.engine_id for e in d.of_role(Role.DECODE)] == ["d1"] and d.pick(Role.DECODE).engine_id == "d1"  # type: ignore[union-attr]
+    assert [e.engine_id for e in d.last_resort(Role.DECODE)] == ["d2"] and d.last_resort(Role.PREFILL) == []
+    assert d.pick(Role.DECODE, exclude={"d1"}).engine_id == "d2"  # type: ignore[union-attr]  # every listed one failed
     d.update(inspect_reply(("p1", pb.ENGINE_ROLE_PREFILL, "http://p1:1")), now=11.0)  # d1 goes too, later
-    assert [e.engine_id for e in d.last_resort("decode")] == ["d1", "d2"]  # the latest first
-    assert d.pick("decode").engine_id == "d1"  # type: ignore[union-attr]  # none listed: a turn starts on one
-    assert d.pick("decode", exclude={"d1", "d2"}) is None
+    assert [e.engine_id for e in d.last_resort(Role.DECODE)] == ["d1", "d2"]  # the latest first
+    assert d.pick(Role.DECODE).engine_id == "d1"  # type: ignore[union-attr]  # none listed: a turn starts on one
+    assert d.pick(Role.DECODE, exclude={"d1", "d2"}) is None
     d.update(both, now=20.0)  # listed again: no longer a last resort
-    assert d.last_resort("decode") == []
+    assert d.last_resort(Role.DECODE) == []
     d.update(inspect_reply(("p1", pb.ENGINE_ROLE_PREFILL, "http://p1:1")), now=30.0)
-    assert len(d.last_resort("decode")) == 2
+    assert len(d.last_resort(Role.DECODE)) == 2
     d.update(inspect_reply(("p1", pb.ENGINE_ROLE_PREFILL, "http://p1:1")), now=61.0)  # past the grace: forgotten
-    assert d.last_resort("decode") == [] and d.unlisted == {} and d.pick("decode") is None
+    assert d.last_resort(Role.DECODE) == [] and d.unlisted == {} and d.pick(Role.DECODE) is None
     never = Directory(RouterConfig(broker="127.0.0.1:1", unlisted_grace_s=0.0))
     never.update(both, now=0.0)
     never.update(inspect_reply(), now=1.0)
-    assert never.last_resort("decode") == []
+    assert never.last_resort(Role.DECODE) == []
 
 
 def test_transfer_params_name_the_pinned_prefix() -> None:

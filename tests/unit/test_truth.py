@@ -6,27 +6,29 @@ import pytest
 
 from kvloop.router.truth import actual_path, plan_outcome, report_from_usage
 from kvloop.shared.protocol import PrefillReport
+from kvloop.shared.vocabulary import Path, PlanOutcome
 
 
 @pytest.mark.parametrize(("planned", "report", "actual"), [
-    ("TRANSFER", PrefillReport(pulled_tokens=320, local_tokens=0), "TRANSFER"),
-    ("TRANSFER", PrefillReport(pulled_tokens=0, local_tokens=320), "PREFILL_LOCAL"),  # found it locally after all
-    ("TRANSFER", PrefillReport(pull_failed=True, computed_tokens=400), "RECOMPUTE"),
-    ("PREFILL_LOCAL", PrefillReport(local_tokens=0, computed_tokens=400), "RECOMPUTE"),  # its cache lost them
-    ("RECOMPUTE", PrefillReport(local_tokens=64), "PREFILL_LOCAL"),
-    ("DECODE_LOCAL", PrefillReport(local_tokens=0, computed_tokens=400), "DECODE_LOCAL"),
+    (Path.TRANSFER, PrefillReport(pulled_tokens=320, local_tokens=0), Path.TRANSFER),
+    (Path.TRANSFER, PrefillReport(pulled_tokens=0, local_tokens=320), Path.PREFILL_LOCAL),  # found locally after all
+    (Path.TRANSFER, PrefillReport(pull_failed=True, computed_tokens=400), Path.RECOMPUTE),
+    (Path.PREFILL_LOCAL, PrefillReport(local_tokens=0, computed_tokens=400), Path.RECOMPUTE),  # its cache lost them
+    (Path.RECOMPUTE, PrefillReport(local_tokens=64), Path.PREFILL_LOCAL),
+    (Path.DECODE_LOCAL, PrefillReport(local_tokens=0, computed_tokens=400), Path.DECODE_LOCAL),
 ])
-def test_no_turn_is_reported_as_transfer_without_a_pull(planned: str, report: PrefillReport, actual: str) -> None:
-    assert actual_path(planned, report) == actual
-    assert actual_path(planned, report) != "TRANSFER" or report.pulled_tokens > 0
+def test_no_turn_is_reported_as_transfer_without_a_pull(planned: Path, report: PrefillReport, actual: Path) -> None:
+    assert actual_path(planned, report) is actual
+    assert actual_path(planned, report) != Path.TRANSFER or report.pulled_tokens > 0
 
 
 def test_outcomes() -> None:
-    assert plan_outcome("TRANSFER", "TRANSFER", 320, 320, 16) == "as_planned"
-    assert plan_outcome("TRANSFER", "PREFILL_LOCAL", 320, 320, 16) == "other_path"
-    assert plan_outcome("DECODE_LOCAL", "DECODE_LOCAL", 320, 305, 16) == "as_planned"  # within one block
-    assert plan_outcome("DECODE_LOCAL", "DECODE_LOCAL", 320, 304, 16) == "less_reused"
-    assert plan_outcome("PREFILL_LOCAL", "PREFILL_LOCAL", 320, 640, 16) == "as_planned"
+    assert plan_outcome(Path.TRANSFER, Path.TRANSFER, 320, 320, 16) is PlanOutcome.AS_PLANNED
+    assert plan_outcome(Path.TRANSFER, Path.PREFILL_LOCAL, 320, 320, 16) is PlanOutcome.OTHER_PATH
+    assert plan_outcome(Path.DECODE_LOCAL, Path.DECODE_LOCAL, 320, 305, 16) is PlanOutcome.AS_PLANNED  # one block
+    assert plan_outcome(Path.DECODE_LOCAL, Path.DECODE_LOCAL, 320, 304, 16) is PlanOutcome.LESS_REUSED
+    assert plan_outcome(Path.PREFILL_LOCAL, Path.PREFILL_LOCAL, 320, 640, 16) is PlanOutcome.AS_PLANNED
+    assert plan_outcome(Path.TRANSFER, Path.RECOMPUTE, 320, 0, 16) == "other_path"  # the header's text
 
 
 def test_report_from_usage() -> None:

@@ -8,6 +8,7 @@ from typing import Any
 
 import grpc
 import pytest
+from structlog.testing import capture_logs
 
 from kvloop.router.config import RouterConfig
 from kvloop.router.directory import Directory, EngineInfo
@@ -25,7 +26,7 @@ from kvloop.router.plan import (
     prefill_request,
 )
 from kvloop.shared.protocol import DECODE_LOCAL_KEY, PrefillReport
-from kvloop.shared.vocabulary import Fallback, Path, Reason
+from kvloop.shared.vocabulary import Fallback, Path, Reason, Role, Veto
 from kvloop.v1 import broker_pb2 as pb
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True, "n": 1, "logprobs": True,
@@ -45,7 +46,8 @@ FLEET = (("p0", pb.ENGINE_ROLE_PREFILL), ("p1", pb.ENGINE_ROLE_PREFILL), ("d0", 
 
 
 def broker_plan(decision: int, prefill: str = "p1", decode: str = "d1", **more: Any) -> pb.Plan:
-    return pb.Plan(decision=decision, reason="r", prefill_engine_id=prefill, decode_engine_id=decode,
+    more.setdefault("reason", Reason.TRANSFER_CHEAPER)
+    return pb.Plan(decision=decision, prefill_engine_id=prefill, decode_engine_id=decode,
                    matched_tokens=8, local_tokens=4, pull_tokens=4, cached_tokens_seen=12, **more)
 
 
@@ -79,6 +81,31 @@ def test_decode_local_runs_on_the_decode_engine_or_recomputes_when_the_router_do
     assert unknown.decode.engine_id in {"d0", "d1"}
 
 
+def test_the_brokers_words_arrive_typed() -> None:
+    plan = plan_turn(directory(*FLEET), "chat", "s", "m", 16, Placement(broker_plan(
+        pb.DECISION_TRANSFER, reason="recompute_cheaper", decode_local_veto="decode_busy")))
+    assert plan.reason is Reason.RECOMPUTE_CHEAPER and plan.veto is Veto.DECODE_BUSY
+    taken = plan_turn(directory(*FLEET), "chat", "s", "m", 16, Placement(broker_plan(pb.DECISION_DECODE_LOCAL)))
+    assert taken.veto == ""
+
+
+def test_a_word_this_router_does_not_know_is_unknown_and_logged_once() -> None:
+    """A newer broker's reason or veto (strings on the wire, for mixed versions): the plan is served as given, and
+    reported as ``unknown``; each word is logged once, not on every turn."""
+    newer = broker_plan(pb.DECISION_TRANSFER, reason="cheaper_on_tuesdays", decode_local_veto="moon_phase")
+    placer = Placer(RouterConfig(), RouterMetrics(), directory(*FLEET))
+    placer.placements = FakePlacementStream([newer])  # type: ignore[assignment]
+    with capture_logs() as logs:
+        for _ in range(3):
+            plan, cause = asyncio.run(placer.place_once(pb.PlaceRequest()))
+    assert plan is newer and cause == ""
+    warned = [(e["field"], e["word"]) for e in logs if e["event"] == "router.unknown_plan_word"]
+    assert warned == [("reason", "cheaper_on_tuesdays"), ("decode_local_veto", "moon_phase")]
+    turn = plan_turn(directory(*FLEET), "chat", "s", "m", 16, Placement(newer))
+    assert (turn.path, turn.reason, turn.veto) == (Path.TRANSFER, Reason.UNKNOWN, Veto.UNKNOWN)
+    assert turn.reason == "unknown"  # the header's and the metric label's text
+
+
 def test_no_engine_of_a_role_is_a_503() -> None:
     with pytest.raises(TurnError) as info:
         plan_turn(directory(("p0", pb.ENGINE_ROLE_PREFILL)), "chat", "s", "m", 1, Placement(None))
@@ -86,7 +113,7 @@ def test_no_engine_of_a_role_is_a_503() -> None:
 
 
 def test_candidates_are_the_first_ones_then_fresh_picks_each_once() -> None:
-    a, b, c = (EngineInfo(x, "decode", f"http://{x}") for x in "abc")
+    a, b, c = (EngineInfo(x, Role.DECODE, f"http://{x}") for x in "abc")
     pool = [a, b, c]
     picked = list(candidates([b, b], lambda tried: next((e for e in pool if e.engine_id not in tried), None)))
     assert [e.engine_id for e in picked] == ["b", "a", "c"]
@@ -119,7 +146,7 @@ def test_a_turn_reports_the_plan_until_the_engine_measures_then_the_measurement(
 
 def test_first_answer_moves_on_after_5xx_and_errors_and_stops_at_a_4xx() -> None:
     calls = EngineCalls(RouterConfig(), http=None)  # type: ignore[arg-type]
-    engines = [EngineInfo(x, "prefill", f"http://{x}") for x in ("a", "b", "c")]
+    engines = [EngineInfo(x, Role.PREFILL, f"http://{x}") for x in ("a", "b", "c")]
     failures: list[str] = []
 
     async def flaky(engine: EngineInfo, attempt: int) -> str:

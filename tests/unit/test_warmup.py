@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from kvloop.benchmarks.warmup import WarmUp, session_messages, warm_up
+from kvloop.shared import headers as hdr
 from tests.support.fake_engine import FakeEngine
 
 
@@ -38,7 +39,7 @@ async def test_rounds_of_sessions_each_turn_carrying_the_history(engine: FakeEng
     spec = WarmUp(sessions=3, turns=2, rounds=2, prompt_words=10, turn_words=5, answer_tokens=4)
     seconds = await warm_up(engine.url, "tiny", spec)
     assert seconds > 0 and len(engine.requests) == 3 * 2 * 2
-    sessions = {h["x-session-id"] for h, _ in engine.requests}
+    sessions = {h[hdr.SESSION_ID] for h, _ in engine.requests}
     assert len(sessions) == 6
     for _, body in engine.requests:
         assert body["stream"] is True and body["max_tokens"] == 4 and body["model"] == "tiny"
@@ -48,7 +49,7 @@ async def test_rounds_of_sessions_each_turn_carrying_the_history(engine: FakeEng
     assert all([m["role"] for m in b["messages"]] == ["user", "assistant", "user"] for b in second)
     assert all(b["messages"][1]["content"] == "ok" for b in second)
     # The second round starts after the first: its sessions' first turns come after every turn of the first round.
-    order = [h["x-session-id"] for h, _ in engine.requests]
+    order = [h[hdr.SESSION_ID] for h, _ in engine.requests]
     assert max(i for i, s in enumerate(order) if s.endswith(("-0", "-1", "-2"))) < \
         min(i for i, s in enumerate(order) if s.endswith(("-3", "-4", "-5")))
 
