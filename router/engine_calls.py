@@ -96,18 +96,21 @@ class EngineCalls:
         started = time.monotonic()
         watch = ProgressWatch(stall_s, started)
         interval = stall_s / SCRAPES_PER_STALL
-        while True:
-            scrape = asyncio.ensure_future(self.progress(engine, interval))
+        while True:  # the first scrape after one interval: a quick call costs the engine no scrape
             left = started + deadline_s - time.monotonic()
             await asyncio.wait({call}, timeout=min(interval, max(0.0, left)))
             if call.done():
-                scrape.cancel()
                 return call.result()
             if time.monotonic() - started >= deadline_s:
-                scrape.cancel()
                 raise TurnError(504, f"{engine.engine_id} had not answered within the engine call's deadline of "
                                      f"{deadline_s:g} s (request_timeout_s)")
-            answered, count = await scrape
+            scrape = asyncio.ensure_future(self.progress(engine, interval))
+            either: set[asyncio.Future[Any]] = {call, scrape}
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+            if call.done():
+                scrape.cancel()
+                return call.result()
+            answered, count = scrape.result()
             watch.observe(answered, count, time.monotonic())
             if watch.frozen(time.monotonic()):
                 raise EngineFrozen(f"no progress in {stall_s:g} s (engine_stall_s): taken as frozen")

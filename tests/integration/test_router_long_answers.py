@@ -80,6 +80,18 @@ async def test_a_long_non_streamed_answer_is_waited_for_not_retried(live: FakeEn
     assert reply["choices"][0]["message"]["content"] == "ok" and took >= live.answer_delay_s
     decodes = [b for _, b in live.requests if b.get("max_tokens") != 1]
     assert len(decodes) == 1, decodes  # computed once, never cut and sent again
+    assert live.scrapes >= 3  # watched while it computed
+
+
+async def test_a_quick_answer_costs_the_engine_no_scrape(live: FakeEngine) -> None:
+    router = await start_router(router_config(live.url, live.url))
+    try:
+        for i in range(3):
+            status, reply, _ = await ask(router.url, f"a quick answer {i}")
+            assert status == 200, reply
+    finally:
+        await router.stop()
+    assert live.scrapes == 0
 
 
 async def test_a_frozen_decode_engine_is_replaced(live: FakeEngine, stopped_engine: str) -> None:

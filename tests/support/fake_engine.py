@@ -32,6 +32,8 @@ class FakeEngine:
         """A non-streamed answer takes this long (a long generation); the step counter moves meanwhile."""
         self.busy_since: float | None = None
         self.steps = 0.0
+        self.scrapes = 0
+        """How often /metrics was asked for."""
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -73,6 +75,7 @@ class FakeEngine:
 
     async def metrics(self, request: web.Request) -> web.Response:
         """vLLM's step counter, moving every 100 ms while an answer is being computed."""
+        self.scrapes += 1
         busy = 0.0 if self.busy_since is None else time.monotonic() - self.busy_since
         steps = int((self.steps + busy) * 10)
         return web.Response(text=f'vllm:iteration_tokens_total_count{{engine="0"}} {steps}.0\n')
