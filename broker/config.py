@@ -8,26 +8,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvloop.broker.core import POLICIES, Limits, PlacementPolicy
+from kvloop.broker.core import POLICIES, CostAwarePolicy, Limits, PlacementPolicy
 from kvloop.shared.auth import read_secrets
-from kvloop.shared.config import ServiceConfig, parse_host_port, process_name, setting
-from kvloop.shared.telemetry import LOG_FORMATS, LOG_LEVELS
+from kvloop.shared.config import ServiceConfig, field_default, parse_host_port, process_name, setting
+from kvloop.shared.telemetry import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL, LOG_FORMATS, LOG_LEVELS
 from kvloop.shared.tls import check_files
 
 SOFT_INDEX_MAX_BLOCKS = 1 << 24
 
 
-def _core_default(cls: type, name: str) -> Any:
-    """The default the broker's core declares: each limit and policy figure has one source, the core's dataclass."""
-    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
-
-
+# The defaults the broker's core declares: each limit and policy figure has one source, the core's dataclass.
 def _limit(name: str) -> Any:
-    return _core_default(Limits, name)
+    return field_default(Limits, name)
 
 
 def _policy(name: str) -> Any:
-    return _core_default(PlacementPolicy, name)
+    return field_default(PlacementPolicy, name)
 
 
 @dataclass(frozen=True)
@@ -68,7 +64,8 @@ class BrokerConfig(ServiceConfig):
         "a demotion the engine has not reported done in this long is dropped, its host slots freed")
     eviction_policy: str = setting("cost", "victim choice: cost (cheapest to recompute per block) or lru",
                                    choices=POLICIES)
-    recency_half_life_s: float = setting(120.0, "cost policy: a lease's value halves every this many idle seconds")
+    recency_half_life_s: float = setting(CostAwarePolicy.recency_half_life_s,
+        "cost policy: a lease's value halves every this many idle seconds")
     threshold_tokens: int = setting(_policy("threshold_tokens"),
         "recompute below this many matched tokens (upstream's default)")
     default_bandwidth_bytes_per_s: float = setting(_policy("default_bandwidth_bytes_per_s"),
@@ -135,8 +132,9 @@ class BrokerConfig(ServiceConfig):
                                          "by tls_ca)")
     admin_identities: str = setting("", "mTLS: comma-separated certificate names allowed every call for any "
                                         "engine (operators, benchmarks)")
-    log_format: str = setting("auto", "log format: json, console, or auto (console on a TTY)", choices=LOG_FORMATS)
-    log_level: str = setting("info", "log level", choices=LOG_LEVELS)
+    log_format: str = setting(DEFAULT_LOG_FORMAT, "log format: json, console, or auto (console on a TTY)",
+                              choices=LOG_FORMATS)
+    log_level: str = setting(DEFAULT_LOG_LEVEL, "log level", choices=LOG_LEVELS)
     console_spans: bool = setting(False, "print OpenTelemetry spans to stderr (OTLP uses OTEL_* variables)")
 
     def validate(self) -> None:

@@ -23,16 +23,16 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from kvloop.engines.sidecar.config import ROLES, ZMQ_SCHEMES, SidecarConfig
 from kvloop.shared.auth import check_token_file
 from kvloop.shared.config import ServiceConfig, parse_host_port, setting
 from kvloop.shared.errors import ConfigError
 from kvloop.shared.paths import checkout_root
 from kvloop.shared.protocol import DEFAULT_HOLD_S, KV_EVENTS_TOPIC, ConnectorSettings
-from kvloop.shared.telemetry import LOG_FORMATS, LOG_LEVELS
+from kvloop.shared.telemetry import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL, LOG_FORMATS, LOG_LEVELS
 from kvloop.shared.tls import check_files
 from kvloop.shared.vocabulary import Role
 
-ROLES = tuple(role.value for role in Role)
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 KV_ROLES = ("auto", "kv_both", "kv_producer", "kv_consumer")
 KV_ROLE_OF_ROLE = {Role.PREFILL: "kv_producer", Role.DECODE: "kv_consumer", Role.BOTH: "kv_both"}
@@ -68,7 +68,6 @@ workload's ~280-token tails took two steps each, and the saturated decode core l
 (``kvloop bench load``, docs/benchmarks.md)."""
 MIN_STEP_TOKENS = 128
 """vLLM requires a step to hold at least ``max_num_seqs`` tokens, 128 on the CPU build's OpenAI server."""
-ZMQ_SCHEMES = ("ipc://", "tcp://")
 KV_EVENTS_BUFFER_STEPS = 10_000
 """Engine steps' events the publisher keeps for its replay endpoint (vLLM's default): a sidecar that joins late or
 misses a few catches up from there instead of resetting the broker's index."""
@@ -132,7 +131,8 @@ def default_work_dir() -> Path:
 class EngineConfig(ServiceConfig):
     ENV_PREFIX = "KVLOOP_ENGINE_"
 
-    role: Role = setting(Role.BOTH, "P/D role: prefill, decode, or both (one engine doing both)", choices=ROLES)
+    role: Role = setting(SidecarConfig.role, "P/D role: prefill, decode, or both (one engine doing both)",
+                         choices=ROLES)
     model: Path | None = setting(None, "Hugging Face model directory (required; loaded offline)")
     served_model_name: str = setting("", "model name in the OpenAI API (default: the model directory's name)")
     engine_id: str = setting("", "NIXL engine id, unique in the cluster (default: ROLE-HOSTNAME-PORT)")
@@ -164,8 +164,10 @@ class EngineConfig(ServiceConfig):
     broker: str = setting("", "broker address(es) host:port, comma-separated; with the kvloop connector the "
                               "launcher runs the engine's sidecar against it (empty: no sidecar, no retention)")
     sidecar_listen: str = setting("", "the sidecar's gRPC health address host:port (default: host and a free port)")
-    retention_fraction: float = setting(0.5, "decode: share of the KV blocks the broker may keep retained")
-    lease_ttl_s: float = setting(0.0, "decode: TTL asked for each published lease (0 = the broker's default)")
+    retention_fraction: float = setting(SidecarConfig.retention_fraction, "decode: share of the KV blocks the broker "
+                                                                          "may keep retained")
+    lease_ttl_s: float = setting(SidecarConfig.lease_ttl_s, "decode: TTL asked for each published lease (0 = the "
+                                                            "broker's default)")
     host_tier_blocks: int = setting(0, "decode, kvloop connector: KV blocks kept back from vLLM's pool as a host "
                                        "tier that evictions demote into (0 = none); on the CPU build they are "
                                        "part of the KV cache's allocation, so vLLM schedules the rest")
@@ -203,8 +205,8 @@ class EngineConfig(ServiceConfig):
                                        "sharing the cores; see engines.connector.cap_ipc_spin)")
     startup_timeout_s: float = setting(600.0, "give up when /health is not 200 after this long")
     stop_timeout_s: float = setting(30.0, "on stop, SIGTERM then wait this long before SIGKILL")
-    log_format: str = setting("auto", "launcher log format: json, console, or auto", choices=LOG_FORMATS)
-    log_level: str = setting("info", "launcher and vLLM log level", choices=LOG_LEVELS)
+    log_format: str = setting(DEFAULT_LOG_FORMAT, "launcher log format: json, console, or auto", choices=LOG_FORMATS)
+    log_level: str = setting(DEFAULT_LOG_LEVEL, "launcher and vLLM log level", choices=LOG_LEVELS)
 
     def validate(self) -> None:
         # Choices are checked by load(); a config built directly (tests, `kvloop up`) is checked here too.

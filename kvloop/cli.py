@@ -225,6 +225,8 @@ def _bench_chaos(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from kvloop.broker.config import BrokerConfig
+    from kvloop.engines.config import EngineConfig
+    from kvloop.shared.auth import ROLES as CALLER_ROLES
 
     parser = argparse.ArgumentParser(prog="kvloop", description="Close the KV-cache loop in P/D vLLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -235,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     BrokerConfig.add_arguments(serve)
     serve.set_defaults(func=_broker_serve)
     status = broker.add_parser("status", help="engines, leases, retained blocks and pins of a broker")
-    status.add_argument("--broker", default="127.0.0.1:50051", help="broker address(es), comma-separated")
+    status.add_argument("--broker", default=BrokerConfig.listen, help="broker address(es), comma-separated")
     status.add_argument("--json", action="store_true", help="print the Inspect reply as JSON")
     status.add_argument("--timeout", type=float, default=5.0, help="RPC deadline in seconds")
     status.add_argument("--tls-ca", default=None, help="PEM CA of the broker's certificate: TLS to the broker")
@@ -254,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     secret.set_defaults(func=_auth_secret)
     token = auth.add_parser("token", help="mint a caller's token with the cluster secret, into a file (mode 0600)")
     token.add_argument("--secret-file", type=Path, required=True, help="the cluster secret (its first line signs)")
-    token.add_argument("--role", required=True, choices=("engine", "router", "operator"))
+    token.add_argument("--role", required=True, choices=CALLER_ROLES)
     token.add_argument("--subject", required=True, help="the engine id for an engine; a name for the others")
     token.add_argument("--ttl-s", type=float, default=0.0, help="seconds the token is valid (0 = until the secret "
                                                                   "is rotated)")
@@ -292,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     fingerprint = model.add_parser("fingerprint", help="print the layout fingerprint of an engine serving this "
                                                        "model (for a sidecar in its own container)")
     fingerprint.add_argument("--model", type=Path, required=True, help="the model directory the engine serves")
-    fingerprint.add_argument("--dtype", default="auto", help="the engine's --dtype (default %(default)s)")
+    fingerprint.add_argument("--dtype", default=EngineConfig.dtype, help="the engine's --dtype (default %(default)s)")
     fingerprint.add_argument("--block-size", type=int, default=None,
                              help="the engine's --block-size (default: the platform's, as the launcher: 128 on "
                                   "the CPU build, else 16)")

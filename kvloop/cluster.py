@@ -139,10 +139,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", type=int, default=2, help="prefill engines")
     parser.add_argument("--decode", type=int, default=1, help="decode engines")
     parser.add_argument("--etcd", action="store_true", help="start a local etcd and use the etcd store")
-    parser.add_argument("--router-listen", default="127.0.0.1:8080", help="router HTTP address (port 0 = free)")
+    parser.add_argument("--router-listen", default=RouterConfig.listen, help="router HTTP address (port 0 = free)")
     parser.add_argument("--broker-listen", default="127.0.0.1:0", help="broker gRPC address")
     parser.add_argument("--max-model-len", type=int, default=16384)
-    parser.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache per engine (CPU build)")
+    parser.add_argument("--kv-cache-gib", type=int, default=EngineConfig.kv_cache_gib,
+                        help="KV cache per engine (CPU build)")
     parser.add_argument("--work-dir", type=Path, default=None, help="default: .kvloop/up")
     parser.add_argument("--demo-turns", type=int, default=6)
     parser.add_argument("--no-demo", action="store_true", help="do not run the demo session")

@@ -9,7 +9,7 @@ from pathlib import Path
 from kvloop.shared.auth import check_token_file
 from kvloop.shared.config import ServiceConfig, parse_host_port, setting
 from kvloop.shared.errors import ConfigError
-from kvloop.shared.telemetry import LOG_FORMATS, LOG_LEVELS
+from kvloop.shared.telemetry import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL, LOG_FORMATS, LOG_LEVELS
 from kvloop.shared.tls import check_files
 
 
@@ -61,8 +61,8 @@ class RouterConfig(ServiceConfig):
                                             "(its sidecar may be down while the engine serves); 0 = never")
     port_file: str = setting("", "write the bound HTTP port here once serving (for launchers)")
     console_spans: bool = setting(False, "print OpenTelemetry spans to stderr (OTLP uses OTEL_* variables)")
-    log_format: str = setting("auto", "log format: json, console, or auto", choices=LOG_FORMATS)
-    log_level: str = setting("info", "log level", choices=LOG_LEVELS)
+    log_format: str = setting(DEFAULT_LOG_FORMAT, "log format: json, console, or auto", choices=LOG_FORMATS)
+    log_level: str = setting(DEFAULT_LOG_LEVEL, "log level", choices=LOG_LEVELS)
     tls_cert: Path | None = setting(None, "PEM certificate (chain) of the HTTP port; with tls_key: HTTPS")
     tls_key: Path | None = setting(None, "PEM private key of tls_cert (unencrypted)")
     tls_ca: Path | None = setting(None, "PEM CA bundle: HTTPS clients must present a certificate it signed")

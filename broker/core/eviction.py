@@ -125,7 +125,7 @@ class CostAwarePolicy:
 POLICIES = ("cost", "lru")
 
 
-def make_policy(name: str, recency_half_life_s: float = 120.0) -> EvictionPolicy:
+def make_policy(name: str, recency_half_life_s: float = CostAwarePolicy.recency_half_life_s) -> EvictionPolicy:
     if name == "lru":
         return LruPolicy()
     if name == "cost":

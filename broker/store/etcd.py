@@ -31,9 +31,10 @@ import aetcd.utils
 import grpc
 import structlog
 
-from kvloop.broker.core import Changes, Lease
+from kvloop.broker.core import Changes, Lease, Limits
 from kvloop.broker.store import codec
 from kvloop.broker.store.base import Snapshot
+from kvloop.shared.config import field_default
 from kvloop.shared.errors import Unavailable
 
 log = structlog.get_logger("kvloop.broker.etcd")
@@ -57,7 +58,7 @@ class EtcdStore:
 
     def __init__(
         self, client: aetcd.Client, prefix: str, replica_id: str, *, grace_s: float = 30.0, bucket_s: float = 5.0,
-        engine_ttl_s: float = 10.0,
+        engine_ttl_s: float = field_default(Limits, "engine_ttl_s"),
     ) -> None:
         self._client = client
         self._prefix = prefix.encode()

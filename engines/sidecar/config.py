@@ -8,16 +8,21 @@ from pathlib import Path
 from kvloop.shared.auth import check_token_file
 from kvloop.shared.config import ServiceConfig, parse_host_port, setting
 from kvloop.shared.protocol import DEFAULT_HOLD_S
-from kvloop.shared.telemetry import LOG_FORMATS, LOG_LEVELS
+from kvloop.shared.telemetry import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL, LOG_FORMATS, LOG_LEVELS
 from kvloop.shared.tls import check_files
 from kvloop.shared.vocabulary import Role
 
 ROLES = tuple(role.value for role in Role)
+"""The words of an engine's P/D role: the choices of its ``role`` setting, here and in the launcher's config."""
 ZMQ_SCHEMES = ("ipc://", "tcp://")
+"""The schemes a KV events endpoint may have (here and in the launcher's config)."""
 
 
 @dataclass(frozen=True)
 class SidecarConfig(ServiceConfig):
+    """The home of the defaults the engine launcher's config repeats for the sidecar it runs (``role``,
+    ``retention_fraction``, ``lease_ttl_s``): :class:`kvloop.engines.config.EngineConfig` names these."""
+
     ENV_PREFIX = "KVLOOP_SIDECAR_"
 
     engine_id: str = setting("", "the engine's NIXL engine id (required)")
@@ -51,8 +56,8 @@ class SidecarConfig(ServiceConfig):
     kv_events_max_blocks: int = setting(262144, "most blocks the prefix-cache mirror tracks; past it the events "
                                                 "are taken as inconsistent and the mirror starts over")
     port_file: Path | None = setting(None, "write the bound gRPC port here once serving (for launchers)")
-    log_format: str = setting("auto", "log format: json, console, or auto", choices=LOG_FORMATS)
-    log_level: str = setting("info", "log level", choices=LOG_LEVELS)
+    log_format: str = setting(DEFAULT_LOG_FORMAT, "log format: json, console, or auto", choices=LOG_FORMATS)
+    log_level: str = setting(DEFAULT_LOG_LEVEL, "log level", choices=LOG_LEVELS)
     tls_cert: Path | None = setting(None, "PEM certificate (chain) of the gRPC port (listen); with tls_key: TLS on "
                                           "(the connector's Unix socket stays plaintext, private to the pod)")
     tls_key: Path | None = setting(None, "PEM private key of tls_cert (unencrypted)")

@@ -35,6 +35,18 @@ def setting(default: Any, help: str, *, choices: Sequence[str] | None = None, se
                              metadata={"help": help, "choices": choices, "dashed_value": dashed_value})
 
 
+def field_default(cls: type, name: str) -> Any:
+    """The default dataclass ``cls`` declares for its field ``name``: how a setting elsewhere names that one default
+    instead of typing it again (``setting(field_default(Limits, "engine_ttl_s"), ...)``). Read from the fields, not
+    the class attribute, which a slotted dataclass replaces with its slot."""
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            if f.default is dataclasses.MISSING:
+                raise TypeError(f"{cls.__name__}.{name} has no plain default")
+            return f.default
+    raise AttributeError(f"{cls.__name__} has no field {name!r}")
+
+
 def join_dashed_values(argv: Sequence[str], flags: Iterable[str]) -> list[str]:
     """``--flag VALUE`` -> ``--flag=VALUE`` for ``flags`` whose values may start with ``-``: argparse takes such a
     value for an option of its own (``--extra-vllm-args "--no-enable-prefix-caching"`` would fail), so users

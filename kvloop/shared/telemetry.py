@@ -21,9 +21,13 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 
 LOG_FORMATS = ("auto", "json", "console")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+DEFAULT_LOG_FORMAT = "auto"
+"""Every service's ``log_format`` unless configured: console on a TTY, else JSON."""
+DEFAULT_LOG_LEVEL = "info"
+"""Every service's ``log_level`` unless configured."""
 
 
-def configure_logging(fmt: str = "auto", level: str = "info") -> None:
+def configure_logging(fmt: str = DEFAULT_LOG_FORMAT, level: str = DEFAULT_LOG_LEVEL) -> None:
     if fmt == "auto":
         fmt = "console" if sys.stderr.isatty() else "json"
     renderer: Any = (
