@@ -6,25 +6,10 @@ import enum
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kvloop.shared.vocabulary import Path, Reason, Veto
-
-
-class Role(enum.Enum):
-    PREFILL = "prefill"
-    DECODE = "decode"
-    BOTH = "both"
-
-    @property
-    def can_prefill(self) -> bool:
-        return self in (Role.PREFILL, Role.BOTH)
-
-    @property
-    def can_decode(self) -> bool:
-        return self in (Role.DECODE, Role.BOTH)
-
+from kvloop.shared.vocabulary import Path, Reason, Role, Veto
 
 Decision = Path
-"""The plan's path: the shared vocabulary's (:class:`kvloop.shared.vocabulary.Path`)."""
+"""The plan's path: the shared vocabulary's (:class:`kvloop.shared.vocabulary.Path`); engines' roles too (``Role``)."""
 
 
 class EvictionReason(enum.Enum):
