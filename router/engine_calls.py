@@ -1,8 +1,12 @@
 """The router's HTTP calls to engines, and the one way a call moves to the next engine.
 
-:meth:`EngineCalls.first_answer` tries :func:`~kvloop.router.plan.candidates` in order. An engine that fails
-(unreachable, frozen, or answering 5xx) is logged, counted by the caller's ``on_failure`` and replaced by the
-next; one that answers 4xx ends the turn with its own error (another engine would refuse the request too).
+:class:`Attempts` walks :func:`~kvloop.router.plan.candidates` in order, one :class:`Attempt` per engine, and every
+call that may move to another engine runs in it: the JSON calls (:meth:`EngineCalls.first_answer`: tokenize,
+prefill, a non-streamed decode) and the streamed decode (``TurnRunner.decode_stream``, which resumes a broken
+stream on the next engine: :mod:`.resume`). An engine that fails (unreachable, frozen, or answering 5xx) is
+replaced by the next, the caller counting and logging the failure; one that answers 4xx ends the turn with its own
+error (another engine would refuse the request too); with no engine left, the turn ends with 503 naming the last
+failure.
 
 A JSON call (:meth:`EngineCalls.post`) is never cut for silence: a non-streamed answer sends nothing until it is
 complete. While it waits, the router scrapes the engine's step counters (:mod:`.progress`), and only an engine
@@ -13,8 +17,10 @@ that shows no progress for ``engine_stall_s`` is taken as frozen and replaced; a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from types import TracebackType
 from typing import Any, TypeVar
 
 import aiohttp
@@ -30,8 +36,12 @@ log = structlog.get_logger("kvloop.router")
 
 T = TypeVar("T")
 
-RETRYABLE = (EngineReplyError, aiohttp.ClientError, TimeoutError)
+RETRYABLE: tuple[type[BaseException], ...] = (EngineReplyError, aiohttp.ClientError, TimeoutError)
 """Failures another engine may not have."""
+
+STREAM_RETRYABLE: tuple[type[BaseException], ...] = (
+    EngineReplyError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError)
+"""A stream's failures another engine may not have: its status, a lost connection, a broken or silent stream."""
 
 SCRAPES_PER_STALL = 4
 """Progress scrapes of an engine within ``engine_stall_s`` while a JSON call to it waits: a frozen engine is
@@ -55,6 +65,58 @@ def failure_text(engine: EngineInfo, exc: BaseException) -> str:
     return f"{engine.engine_id}: {str(exc) or type(exc).__name__}"
 
 
+class Attempt:
+    """One engine's try in :class:`Attempts`, used as ``with attempt:`` around the call to ``engine``. On leaving
+    the block, a retryable failure is described in ``error`` (its exception in ``cause``) and suppressed, so the
+    caller's loop goes on to the next engine; a 4xx reply raises the engine's own error as a :class:`TurnError`
+    (:func:`failure_text`); any other exception (a :class:`TurnError` 504, a cancellation) passes through."""
+
+    def __init__(self, engine: EngineInfo, number: int, retryable: tuple[type[BaseException], ...]) -> None:
+        self.engine, self.number, self.retryable = engine, number, retryable
+        """``number``: 0 for the first engine tried, 1 for the next, ..."""
+        self.error = ""
+        self.cause: BaseException | None = None
+
+    def __enter__(self) -> Attempt:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> bool:
+        if exc is None or not isinstance(exc, self.retryable):
+            return False
+        self.error, self.cause = failure_text(self.engine, exc), exc
+        return True
+
+
+class Attempts:
+    """The one retry loop over engines: an :class:`Attempt` per engine of ``engines``, in order, drawn one at a
+    time (so :func:`~kvloop.router.plan.candidates` picks the next only when it is needed)::
+
+        attempts = Attempts(engines, "no decode engine could serve the request")
+        for attempt in attempts:
+            with attempt:
+                return await call(attempt.engine)  # an answer leaves the loop
+            count_and_log(attempt)  # a retryable failure: attempt.error says what it was
+        raise attempts.exhausted()
+    """
+
+    def __init__(self, engines: Iterable[EngineInfo], none_left: str,
+                 retryable: tuple[type[BaseException], ...] = RETRYABLE) -> None:
+        self.engines, self.none_left, self.retryable = engines, none_left, retryable
+        self.last = "no engine"
+        """The last failure, described (:func:`failure_text`)."""
+
+    def __iter__(self) -> Iterator[Attempt]:
+        for number, engine in enumerate(self.engines):
+            attempt = Attempt(engine, number, self.retryable)
+            yield attempt
+            self.last = attempt.error or self.last
+
+    def exhausted(self) -> TurnError:
+        """The turn's error once every engine has failed: 503, ``none_left`` and the last failure."""
+        return TurnError(503, f"{self.none_left} ({self.last})")
+
+
 class EngineCalls:
     def __init__(self, config: RouterConfig, http: aiohttp.ClientSession) -> None:
         self.config, self.http = config, http
@@ -70,6 +132,17 @@ class EngineCalls:
         """A stream's: it sends a byte every token, so silence for ``engine_stall_s`` is a frozen engine."""
         return aiohttp.ClientTimeout(total=None, sock_connect=self.config.engine_stall_s,
                                      sock_read=self.config.engine_stall_s)
+
+    @contextlib.asynccontextmanager
+    async def stream(self, engine: EngineInfo, path: str, body: dict[str, Any], span: Any = None
+                     ) -> AsyncIterator[aiohttp.ClientResponse]:
+        """A streamed call's reply, its lines to read within the block (cut after ``engine_stall_s`` of silence:
+        :meth:`timeout`); :class:`EngineReplyError` for a status of 400 or more."""
+        async with self.http.post(f"{engine.http}{path}", json=body, headers=self.headers(span),
+                                  timeout=self.timeout()) as reply:
+            if reply.status >= 400:
+                raise EngineReplyError(reply.status, await reply.json(content_type=None))
+            yield reply
 
     async def post(self, engine: EngineInfo, path: str, body: dict[str, Any], span: Any = None) -> dict[str, Any]:
         """The engine's JSON reply; :class:`EngineReplyError` for a status of 400 or more, :class:`EngineFrozen`
@@ -127,16 +200,15 @@ class EngineCalls:
 
     async def first_answer(self, engines: Iterable[EngineInfo], call: Callable[[EngineInfo, int], Awaitable[T]],
                            on_failure: Callable[[EngineInfo, str], None], none_left: str) -> tuple[T, EngineInfo]:
-        """``call(engine, attempt)`` on each engine in turn until one answers: its answer and the engine.
-        Raises :class:`TurnError` 503 (``none_left`` and the last failure) when none does."""
-        last = "no engine"
-        for attempt, engine in enumerate(engines):
-            try:
-                return await call(engine, attempt), engine
-            except RETRYABLE as exc:
-                last = failure_text(engine, exc)
-                on_failure(engine, last)
-        raise TurnError(503, f"{none_left} ({last})")
+        """``call(engine, attempt)`` on each engine in turn until one answers (:class:`Attempts`): its answer and
+        the engine; ``on_failure(engine, error)`` after each retryable failure. Raises :class:`TurnError` 503
+        (``none_left`` and the last failure) when none answers."""
+        attempts = Attempts(engines, none_left)
+        for attempt in attempts:
+            with attempt:
+                return await call(attempt.engine, attempt.number), attempt.engine
+            on_failure(attempt.engine, attempt.error)
+        raise attempts.exhausted()
 
     async def tokenize(self, kind: str, body: dict[str, Any], engines: Iterable[EngineInfo]) -> list[int]:
         """The prompt's token ids from an engine's ``/tokenize``, with the request's own chat-template fields."""

@@ -77,6 +77,11 @@ class Turn:
         return plan_outcome(self.plan.path, self.path, self.plan.local_tokens + self.plan.pull_tokens,
                             self.done.reused_tokens, self.plan.block_size)
 
+    def observe_reply(self, reply: dict[str, Any]) -> None:
+        """Read a non-streamed DECODE_LOCAL reply's usage: the decode engine's account of the prompt."""
+        if self.plan.decode_local:
+            self.outcome.report = report_from_usage(reply.get("usage") or {}, self.plan.prompt_tokens)
+
     def observe(self, line: bytes) -> bool:
         """Read a DECODE_LOCAL stream's usage chunk off a streamed line; True when the line is for the router only
         (usage the client did not ask for)."""

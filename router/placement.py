@@ -16,13 +16,11 @@ import grpc
 import structlog
 from opentelemetry import propagate, trace
 
+from kvloop.router.books import TurnBooks
 from kvloop.router.config import RouterConfig
 from kvloop.router.directory import Directory
-from kvloop.router.in_flight import InFlightCounts
 from kvloop.router.metrics import RouterMetrics
 from kvloop.router.plan import Placement, plan_reason, plan_veto
-from kvloop.router.recent import RecentTurns
-from kvloop.router.residuals import DECODE_LOCAL, PD, PathResiduals
 from kvloop.shared.auth import token_of
 from kvloop.shared.client import BrokerClient, PlacementStream, complete_request
 from kvloop.shared.config import process_name
@@ -45,21 +43,17 @@ PUBLICATION_POLL_S = 0.01
 
 
 class Placer:
-    def __init__(self, config: RouterConfig, metrics: RouterMetrics, directory: Directory) -> None:
+    def __init__(self, config: RouterConfig, metrics: RouterMetrics, directory: Directory,
+                 books: TurnBooks | None = None) -> None:
         self.config, self.metrics, self.directory = config, metrics, directory
         self.broker = BrokerClient(config.broker, timeout_s=config.broker_timeout_s,
                                    tls=TlsFiles.of(config, "broker_tls_"), token=token_of(config)) \
             if config.broker else None
         self.placements = PlacementStream(self.broker) if self.broker else None
-        self.in_flight = InFlightCounts()
-        """Prefill and decode requests this router has sent and not yet seen end, per engine (sent with each
-        placement: the broker prices load on them)."""
+        self.books = books if books is not None else TurnBooks(config)
+        """The turns' books (the turn runner's), read into each placement: in flight, recent answers, residuals."""
         self.router_id = process_name()
         """Names this router's in-flight counts where the broker authenticates nobody (development)."""
-        self.recent = RecentTurns(config.publication_wait_s)
-        self.residuals = PathResiduals(config.residual_window_s, config.residual_samples) \
-            if config.residual_window_s > 0 else None
-        """This router's measure of the broker's estimates, sent with each placement (None: measures none)."""
         self.broker_answered = False
         """Whether the last ``Inspect`` got an answer: without a layout, the turn's fallback is then ``no_layout``
         (the broker knows no engine of the model), else ``broker_unavailable``."""
@@ -109,19 +103,13 @@ class Placer:
         request = pb.PlaceRequest(session_id=session, block_keys=keys, num_tokens=len(tokens),
                                   layout_fingerprint=fingerprint, block_size=block_size, pin=True,
                                   no_decode_local=not self.config.decode_local,
-                                  traceparent=carrier.get("traceparent", ""),
-                                  in_flight=self.in_flight.snapshot(), counts_in_flight=True,
-                                  in_flight_tokens=self.in_flight.tokens(),
-                                  router_id=self.router_id)
-        if self.residuals is not None:
-            now = time.monotonic()
-            request.pd_residual_s = self.residuals.estimate(PD, now)
-            request.decode_local_residual_s = self.residuals.estimate(DECODE_LOCAL, now)
+                                  traceparent=carrier.get("traceparent", ""), router_id=self.router_id)
+        self.books.stamp(request, time.monotonic())
         plan, cause = await self.place_once(request)
         wait_ms = 0.0
         # The previous answer's lease may be a few ms from published (router/recent.py): place again until the
         # match covers the answered prompt this one extends, or the window since that answer has passed.
-        due, deadline = self.recent.expected(keys, time.monotonic())
+        due, deadline = self.books.expected(keys, time.monotonic())
         due = min(due, max(0, (len(tokens) - 1) // block_size))
         if plan is not None and plan.matched_blocks < due:
             if plan.HasField("pin"):  # not the plan this turn will use: let the pin go at once

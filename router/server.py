@@ -28,7 +28,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvloop.router.config import RouterConfig
 from kvloop.router.metrics import RouterMetrics
-from kvloop.router.truth import report_from_usage
 from kvloop.router.turn import Turn, TurnError, TurnRunner
 from kvloop.shared import headers as hdr
 from kvloop.shared.config import parse_host_port
@@ -212,8 +211,6 @@ class RouterApp:
                 self.metrics.requests.labels(endpoint, str(exc.status)).inc()
                 return error_response(exc)
             usage = reply.get("usage") or {}
-            if turn.plan.decode_local:
-                turn.outcome.report = report_from_usage(usage, turn.plan.prompt_tokens)
             runner.finish(turn, output_tokens=int(usage.get("completion_tokens", 0)),
                           ttft_s=time.perf_counter() - turn.started)
             self.metrics.requests.labels(endpoint, "200").inc()

@@ -1,7 +1,9 @@
 """One turn through the cluster: tokenize, place, pin, prefill (with the pull), decode. The shell around the pure
 plan (:mod:`.plan`): it makes the calls the plan names, in order, and records what the engines report
-(:mod:`.outcome`). Reading path: :mod:`.plan`, :mod:`.placement` (the broker), :mod:`.engine_calls` (the
-engines and their fail-over), then this.
+(:mod:`.outcome`, written only by the turn: :class:`Turn`'s methods and this runner's). It keeps this router's
+books of its turns (:mod:`.books`: in flight, recent answers, residuals), which the placer reads into each
+placement. Reading path: :mod:`.plan`, :mod:`.placement` (the broker), :mod:`.engine_calls` (the engines and the one
+retry loop over them), then this.
 
 - **Tokenize** in the router with the served model's tokenizer when configured (:mod:`.tokenizer`), else, and
   for what it does not render, on an engine's ``/tokenize`` with the request's own chat-template arguments, so
@@ -30,9 +32,10 @@ import aiohttp
 import structlog
 from opentelemetry import trace
 
+from kvloop.router.books import TurnBooks
 from kvloop.router.config import RouterConfig
 from kvloop.router.directory import Directory, EngineInfo
-from kvloop.router.engine_calls import CHAT_TEMPLATE_FIELDS, EngineCalls, failure_text
+from kvloop.router.engine_calls import CHAT_TEMPLATE_FIELDS, STREAM_RETRYABLE, Attempt, Attempts, EngineCalls
 from kvloop.router.errors import EngineReplyError, TurnError
 from kvloop.router.metrics import RouterMetrics
 from kvloop.router.outcome import Turn
@@ -47,7 +50,6 @@ from kvloop.router.plan import (
     prefill_request,
 )
 from kvloop.router.records import RecordWriter, turn_record
-from kvloop.router.residuals import turn_residual
 from kvloop.router.resume import StreamLedger
 from kvloop.router.tokenizer import RouterTokenizer
 from kvloop.shared.client import plan_attributes, transfer_params
@@ -84,7 +86,10 @@ class TurnRunner:
     def __init__(self, config: RouterConfig, http: aiohttp.ClientSession, metrics: RouterMetrics) -> None:
         self.config, self.http, self.metrics = config, http, metrics
         self.directory = Directory(config)
-        self.placer = Placer(config, metrics, self.directory)
+        self.books = TurnBooks(config)
+        """What the turns tell the placements (in flight, recent answers, residuals): written here, read by the
+        placer."""
+        self.placer = Placer(config, metrics, self.directory, self.books)
         self.engines = EngineCalls(config, http)
         self.tokenizer = RouterTokenizer(config.tokenizer) if config.tokenizer else None
         self.before_transfer: Callable[[pb.Plan, EngineInfo], None] | None = None
@@ -205,7 +210,7 @@ class TurnRunner:
             if attempt:
                 request["kv_transfer_params"] = prefill_only_params()  # no pull on a retry
             tokens = plan.prompt_tokens if attempt else plan.compute_tokens
-            with self.placer.in_flight.track(engine.engine_id, tokens):
+            with self.books.track(engine.engine_id, tokens):
                 return await self.engines.post(engine, plan.endpoint, request)
 
         def failed(engine: EngineInfo, error: str) -> None:
@@ -233,73 +238,72 @@ class TurnRunner:
 
     async def decode_stream(self, turn: Turn) -> AsyncIterator[bytes]:
         """The decode's SSE bytes, relayed as they come. An engine that fails, or sends nothing for
-        ``engine_stall_s``, is replaced by another decode engine: before any byte by a retry, after some by a
-        resume that relays only what the client has not had (:mod:`.resume`)."""
+        ``engine_stall_s``, is replaced by another decode engine (:class:`.engine_calls.Attempts`): before any byte
+        by a retry, after some by a resume that relays only what the client has not had (:mod:`.resume`)."""
         turn.outcome.decode_started_ns = time.time_ns()
         ledger = StreamLedger()
         resumable = int(turn.body.get("n") or 1) == 1
-        last = "no decode engine"
-        for attempt, engine in enumerate(candidates(turn.plan.decodes)):
+        attempts = Attempts(candidates(turn.plan.decodes), "no decode engine could serve the request",
+                            STREAM_RETRYABLE)
+        for attempt in attempts:
+            engine = attempt.engine
             request, turn.outcome.client_usage = decode_request(turn.plan, turn.body, turn.outcome.decode_params,
-                                                                retry=attempt > 0)
-            if attempt and ledger.started:
+                                                                retry=attempt.number > 0)
+            if attempt.number and ledger.started:
                 ledger.resume()
             # A DECODE_LOCAL tail is the decode engine's to compute until its first bytes arrive.
-            tail = turn.plan.compute_tokens if turn.plan.decode_local and not attempt else 0
-            try:
-                with self.placer.in_flight.track(engine.engine_id, tail) as computed:
-                    async with self.http.post(f"{engine.http}{turn.plan.endpoint}", json=request,
-                                              headers=self.engines.headers(turn.span),
-                                              timeout=self.engines.timeout()) as reply:
-                        if reply.status >= 400:  # 4xx: the engine's own error ends the turn; 5xx: the next
-                            last = failure_text(engine, EngineReplyError(reply.status,
-                                                                         await reply.json(content_type=None)))
-                            self.metrics.fallbacks.labels(Fallback.DECODE_RETRY).inc()
-                            continue
-                        turn.outcome.decode = engine
-                        async for line in reply.content:
-                            computed()
-                            if not resumable:
-                                ledger.chunks += 1  # only that the client has had something
-                                yield line
-                            elif (relayed := ledger.relay(line)) is not None:
-                                yield relayed
-                        if ledger.diverged:
-                            self.metrics.fallbacks.labels(Fallback.DECODE_RESUME_DIVERGED).inc()
-                        return
-            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
-                last = failure_text(engine, exc)
-                if ledger.started and not resumable:
-                    raise TurnError(502, f"the decode engine failed mid-stream ({last})") from None
-                kind = Fallback.DECODE_RESUME if ledger.started else Fallback.DECODE_RETRY
-                self.metrics.fallbacks.labels(kind).inc()
-                turn.span.add_event(f"kvloop.{kind}", {"kvloop.engine": engine.engine_id, "error": last})
-                log.warning("router.decode_failed", engine=engine.engine_id, error=last, resume=ledger.started)
-        raise TurnError(503, f"no decode engine could serve the request ({last})")
+            tail = turn.plan.compute_tokens if turn.plan.decode_local and not attempt.number else 0
+            with attempt, self.books.track(engine.engine_id, tail) as computed:
+                async with self.engines.stream(engine, turn.plan.endpoint, request, turn.span) as reply:
+                    turn.outcome.decode = engine
+                    async for line in reply.content:
+                        computed()
+                        if not resumable:
+                            ledger.chunks += 1  # only that the client has had something
+                            yield line
+                        elif (relayed := ledger.relay(line)) is not None:
+                            yield relayed
+                if ledger.diverged:
+                    self.metrics.fallbacks.labels(Fallback.DECODE_RESUME_DIVERGED).inc()
+                return
+            self.decode_failed(turn, attempt, ledger.started, resumable)
+        raise attempts.exhausted()
+
+    def decode_failed(self, turn: Turn, attempt: Attempt, started: bool, resumable: bool) -> None:
+        """A decode engine failed the stream (``started``: after the client had some of it): counted, and the next
+        engine retries or resumes it; a stream that cannot be resumed (n > 1) ends the turn with 502."""
+        if isinstance(attempt.cause, EngineReplyError):  # a 5xx answer, before any byte of its own
+            self.metrics.fallbacks.labels(Fallback.DECODE_RETRY).inc()
+            return
+        if started and not resumable:
+            raise TurnError(502, f"the decode engine failed mid-stream ({attempt.error})")
+        kind = Fallback.DECODE_RESUME if started else Fallback.DECODE_RETRY
+        self.metrics.fallbacks.labels(kind).inc()
+        turn.span.add_event(f"kvloop.{kind}", {"kvloop.engine": attempt.engine.engine_id, "error": attempt.error})
+        log.warning("router.decode_failed", engine=attempt.engine.engine_id, error=attempt.error, resume=started)
 
     def first_line(self, turn: Turn) -> None:
         """The decode's first streamed line has come: time it, and measure the broker's estimate on it when the
         turn ran as the broker planned (no downgrade, the planned engines answered; :mod:`.residuals`)."""
         now = time.monotonic()
         turn.outcome.timings_ms["decode_first"] = round((time.time_ns() - turn.outcome.decode_started_ns) / 1e6, 3)
-        plan, broker, residuals = turn.plan, turn.plan.broker_plan, self.placer.residuals
-        if residuals is None or broker is None or plan.reason != plan_reason(broker) or plan.path != plan_path(broker):
+        plan, broker = turn.plan, turn.plan.broker_plan
+        if broker is None or plan.reason != plan_reason(broker) or plan.path != plan_path(broker):
             return
         if turn.outcome.prefill_engine != plan.prefill.engine_id or turn.decode.engine_id != plan.decode.engine_id:
             return  # a fail-over: not what the planned engines cost
-        measured = turn_residual(plan.path, broker.cost, turn.outcome.timings_ms)
+        measured = self.books.observe_residual(plan.path, broker.cost, turn.outcome.timings_ms, now)
         if measured is not None:
-            kind, residual_s = measured
-            residuals.observe(kind, residual_s, now)
+            kind, residual_s, estimate_s = measured
             turn.span.set_attribute("kvloop.residual_s", round(residual_s, 6))
-            self.metrics.residuals.labels(kind).set(residuals.estimate(kind, now))
+            self.metrics.residuals.labels(kind).set(estimate_s)
 
     async def decode_json(self, turn: Turn) -> dict[str, Any]:
         turn.outcome.decode_started_ns = time.time_ns()
 
         async def call(engine: EngineInfo, attempt: int) -> dict[str, Any]:
             request, _ = decode_request(turn.plan, turn.body, turn.outcome.decode_params, retry=attempt > 0)
-            with self.placer.in_flight.track(engine.engine_id):
+            with self.books.track(engine.engine_id):
                 return await self.engines.post(engine, turn.plan.endpoint, request, turn.span)
 
         def failed(engine: EngineInfo, error: str) -> None:
@@ -309,6 +313,7 @@ class TurnRunner:
         reply, turn.outcome.decode = await self.engines.first_answer(
             candidates(turn.plan.decodes), call, failed, "no decode engine could serve the request")
         reply.pop("kv_transfer_params", None)  # internal to the cluster
+        turn.observe_reply(reply)
         return reply
 
     def finish(self, turn: Turn, *, output_tokens: int, ttft_s: float, error: str = "") -> None:
@@ -332,7 +337,7 @@ class TurnRunner:
         if error:
             turn.span.set_status(trace.Status(trace.StatusCode.ERROR, error))
         else:
-            self.placer.recent.answered(list(plan.keys), time.monotonic())
+            self.books.answered(list(plan.keys), time.monotonic())
         turn.span.end()
         if self.records is not None:
             self.records.write(turn_record(turn, now=time.time(), elapsed_s=time.perf_counter() - turn.started,

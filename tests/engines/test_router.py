@@ -165,7 +165,7 @@ async def test_each_path_is_taken_when_it_should_be_and_answers_match_recompute(
                  f"Summary of the work so far:\n{LONG_TOOL_OUTPUT}\nGo on from the summary."]
     expected = ["RECOMPUTE", "DECODE_LOCAL", "TRANSFER", "DECODE_LOCAL", "PREFILL_LOCAL"]
     SPANS.clear()
-    router.runner.placer.residuals = PathResiduals()  # this test's turns alone (the router serves the module's)
+    router.runner.books.residuals = PathResiduals()  # this test's turns alone (the router serves the module's)
     headers: list[Any] = []
     for turn, question in enumerate(questions):
         if turn == 4:
