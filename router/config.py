@@ -47,6 +47,11 @@ class RouterConfig(ServiceConfig):
     tokenizer: str = setting("", "the served model's directory or hub name: tokenize in the router with its own "
                                  "tokenizer and chat template (one engine round trip less per turn); empty = "
                                  "ask an engine's /tokenize")
+    chat_as_tokens: bool = setting(True, "send a plain chat turn the router rendered to the engine as its token ids "
+                                         "(a completions request; answered in the chat shape), so the engine does "
+                                         "not render and tokenize it again; tools, logprobs, n > 1 and the like stay "
+                                         "chats (router/chat_tokens.py). Off for engines that run a reasoning "
+                                         "parser: it splits chat answers the token path would not")
     records_path: Path | None = setting(None, "append one JSON line per finished turn here, for kvloop analyze "
                                               "(lengths, block-key digests, path, tokens, TTFT; no text or token "
                                               "ids); unset = no records")

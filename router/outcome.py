@@ -46,6 +46,18 @@ class Turn:
     span: Any
     started: float
     outcome: TurnOutcome = field(default_factory=TurnOutcome)
+    as_tokens: dict[str, Any] | None = None
+    """The chat request as a completions request of the router's token ids (:mod:`.chat_tokens`); None: sent as
+    the client's request."""
+
+    @property
+    def engine_body(self) -> dict[str, Any]:
+        """What the engines are sent: the client's request, or its token-ids form."""
+        return self.body if self.as_tokens is None else self.as_tokens
+
+    @property
+    def endpoint(self) -> str:
+        return "/v1/completions" if self.as_tokens is not None else self.plan.endpoint
 
     @property
     def decode(self) -> EngineInfo:

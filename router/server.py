@@ -54,7 +54,8 @@ def decision_headers(turn: Turn) -> dict[str, str]:
             hdr.PLAN_OUTCOME: turn.plan_vs_actual,
             hdr.MEASURED: str(turn.measured).lower(),
             hdr.PREFILL_ENGINE: turn.outcome.prefill_engine, hdr.DECODE_ENGINE: turn.decode.engine_id,
-            **figures(turn), hdr.TIMING: ",".join(f"{k}={v}" for k, v in timing_ms(turn).items())}
+            hdr.ENGINE_REQUEST: "tokens" if turn.as_tokens is not None else turn.plan.kind, **figures(turn),
+            hdr.TIMING: ",".join(f"{k}={v}" for k, v in timing_ms(turn).items())}
 
 
 def figures(turn: Turn) -> dict[str, str]:

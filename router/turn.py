@@ -33,6 +33,7 @@ import structlog
 from opentelemetry import trace
 
 from kvloop.router.books import TurnBooks
+from kvloop.router.chat_tokens import ChatStream, chat_reply, token_request
 from kvloop.router.config import RouterConfig
 from kvloop.router.directory import Directory, EngineInfo
 from kvloop.router.engine_calls import CHAT_TEMPLATE_FIELDS, STREAM_RETRYABLE, Attempt, Attempts, EngineCalls
@@ -111,9 +112,15 @@ class TurnRunner:
         await self.placer.close()
 
     async def tokenize(self, kind: str, body: dict[str, Any]) -> list[int]:
+        tokens, _ = await self.tokenize_where(kind, body)
+        return tokens
+
+    async def tokenize_where(self, kind: str, body: dict[str, Any]) -> tuple[list[int], bool]:
+        """The prompt's token ids, and whether the router rendered them itself (else: the client's ids, or an
+        engine's ``/tokenize``)."""
         if kind == "completion" and isinstance(body.get("prompt"), list) and all(
                 isinstance(t, int) for t in body["prompt"]):
-            return list(body["prompt"])
+            return list(body["prompt"]), False
         model = str(body.get("model", ""))
         if self.tokenizer is not None and self.tokenizer_serves(model):
             if prompt_chars(body) <= INLINE_TOKENIZE_CHARS:
@@ -121,10 +128,10 @@ class TurnRunner:
             else:
                 local = await asyncio.to_thread(self.tokenizer.tokens, kind, body, CHAT_TEMPLATE_FIELDS)
             if local is not None:
-                return local
+                return local, True
         d = self.directory
         return await self.engines.tokenize(kind, body, candidates(
-            [], lambda tried: d.pick(Role.PREFILL, model, tried) or d.pick(Role.DECODE, model, tried)))
+            [], lambda tried: d.pick(Role.PREFILL, model, tried) or d.pick(Role.DECODE, model, tried))), False
 
     def tokenizer_serves(self, model: str) -> bool:
         """The configured tokenizer is the served model's: the one model a router with ``model`` set accepts, else
@@ -164,7 +171,7 @@ class TurnRunner:
 
         cpu = time.thread_time()
         with tracer.start_as_current_span("kvloop.tokenize"):
-            tokens = await self.tokenize(kind, body)
+            tokens, rendered_here = await self.tokenize_where(kind, body)
         lap("tokenize")
         # The loop thread's CPU within the step: a step much longer than its CPU waited (the GIL, the cores).
         timings["tokenize_cpu"] = round((time.thread_time() - cpu) * 1e3, 3)
@@ -182,6 +189,8 @@ class TurnRunner:
         if placement.plan is not None:
             span.set_attributes(plan_attributes(placement.plan))
         turn = Turn(body=body, plan=plan, span=span, started=started)
+        if kind == "chat" and rendered_here and self.config.chat_as_tokens:
+            turn.as_tokens = token_request(body, tokens)
         turn.outcome.timings_ms = timings
         if plan.decode_local:  # the decode engine serves the whole request from its own cache: no prefill, no pull
             turn.outcome.prefill_engine = plan.decode.engine_id
@@ -204,14 +213,14 @@ class TurnRunner:
     async def _prefill(self, turn: Turn, params: dict[str, Any], pin: pb.PinBlocksResponse | None) -> None:
         """The prefill, on the planned engine, then (without the pull) on any other prefill engine."""
         plan = turn.plan
-        request = prefill_request(turn.body, params)
+        request = prefill_request(turn.engine_body, params)
 
         async def call(engine: EngineInfo, attempt: int) -> dict[str, Any]:
             if attempt:
                 request["kv_transfer_params"] = prefill_only_params()  # no pull on a retry
             tokens = plan.prompt_tokens if attempt else plan.compute_tokens
             with self.books.track(engine.engine_id, tokens):
-                return await self.engines.post(engine, plan.endpoint, request)
+                return await self.engines.post(engine, turn.endpoint, request)
 
         def failed(engine: EngineInfo, error: str) -> None:
             log.warning("router.prefill_failed", engine=engine.engine_id, error=error)
@@ -243,26 +252,27 @@ class TurnRunner:
         turn.outcome.decode_started_ns = time.time_ns()
         ledger = StreamLedger()
         resumable = int(turn.body.get("n") or 1) == 1
+        as_chat = ChatStream().line if turn.as_tokens else (lambda line: line)
         attempts = Attempts(candidates(turn.plan.decodes), "no decode engine could serve the request",
                             STREAM_RETRYABLE)
         for attempt in attempts:
             engine = attempt.engine
-            request, turn.outcome.client_usage = decode_request(turn.plan, turn.body, turn.outcome.decode_params,
+            request, turn.outcome.client_usage = decode_request(turn.plan, turn.engine_body, turn.outcome.decode_params,
                                                                 retry=attempt.number > 0)
             if attempt.number and ledger.started:
                 ledger.resume()
             # A DECODE_LOCAL tail is the decode engine's to compute until its first bytes arrive.
             tail = turn.plan.compute_tokens if turn.plan.decode_local and not attempt.number else 0
             with attempt, self.books.track(engine.engine_id, tail) as computed:
-                async with self.engines.stream(engine, turn.plan.endpoint, request, turn.span) as reply:
+                async with self.engines.stream(engine, turn.endpoint, request, turn.span) as reply:
                     turn.outcome.decode = engine
                     async for line in reply.content:
                         computed()
                         if not resumable:
                             ledger.chunks += 1  # only that the client has had something
-                            yield line
+                            yield as_chat(line)
                         elif (relayed := ledger.relay(line)) is not None:
-                            yield relayed
+                            yield as_chat(relayed)
                 if ledger.diverged:
                     self.metrics.fallbacks.labels(Fallback.DECODE_RESUME_DIVERGED).inc()
                 return
@@ -302,9 +312,9 @@ class TurnRunner:
         turn.outcome.decode_started_ns = time.time_ns()
 
         async def call(engine: EngineInfo, attempt: int) -> dict[str, Any]:
-            request, _ = decode_request(turn.plan, turn.body, turn.outcome.decode_params, retry=attempt > 0)
+            request, _ = decode_request(turn.plan, turn.engine_body, turn.outcome.decode_params, retry=attempt > 0)
             with self.books.track(engine.engine_id):
-                return await self.engines.post(engine, turn.plan.endpoint, request, turn.span)
+                return await self.engines.post(engine, turn.endpoint, request, turn.span)
 
         def failed(engine: EngineInfo, error: str) -> None:
             self.metrics.fallbacks.labels(Fallback.DECODE_RETRY).inc()
@@ -314,7 +324,7 @@ class TurnRunner:
             candidates(turn.plan.decodes), call, failed, "no decode engine could serve the request")
         reply.pop("kv_transfer_params", None)  # internal to the cluster
         turn.observe_reply(reply)
-        return reply
+        return chat_reply(reply) if turn.as_tokens else reply
 
     def finish(self, turn: Turn, *, output_tokens: int, ttft_s: float, error: str = "") -> None:
         """The turn's span, record, metrics and log line, from its plan and what the engines reported."""

@@ -50,6 +50,9 @@ COMPUTED_TOKENS = "x-kvloop-computed-tokens"
 """Tokens the serving engine computed."""
 PULL_MS = "x-kvloop-pull-ms"
 """Milliseconds the pull took (0 until measured)."""
+ENGINE_REQUEST = "x-kvloop-engine-request"
+"""How the engines were asked: ``tokens`` (the router's token ids, one rendering) or ``chat``/``completion`` (the
+client's request as it came)."""
 
 
 def field(header: str) -> str:

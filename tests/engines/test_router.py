@@ -363,3 +363,54 @@ async def test_a_prompt_too_long_for_the_engines_gets_their_400(router: RunningR
 async def test_unknown_endpoint(strict_router: RunningRouter) -> None:
     got, reply = await post(f"{strict_router.url}/v1/embeddings", {"model": "x"})
     assert got == 404 and reply["error"]["type"] == "invalid_request_error"
+
+
+async def sse_events(url: str, body: dict[str, Any]) -> tuple[dict[str, str], list[dict[str, Any]]]:
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    async with aiohttp.ClientSession() as http, http.post(url, json=streamed) as reply:
+        assert reply.status == 200, await reply.text()
+        return dict(reply.headers), [chunk async for chunk in aiter_sse(reply.content)]
+
+
+async def test_chat_turns_sent_as_tokens_answer_as_the_engines_own_chat(router: RunningRouter,
+                                                                        pd_engines: PDEngines) -> None:
+    """One rendering per turn (router/chat_tokens.py): the router sends a plain chat to the engine as its token
+    ids and answers in the chat shape. The answers equal the engine's own chat endpoint's, streamed and not; a
+    chat the chat layer must shape (logprobs) still goes as a chat."""
+    body = chat_body(pd_engines.model_name, [{"role": "system", "content": SYSTEM},
+                                             {"role": "user", "content": "Which block does rule 7 cite?"}],
+                     max_tokens=24)
+    engine_chat = f"{pd_engines.decode.url}/v1/chat/completions"
+    status, direct = await post(engine_chat, body)
+    assert status == 200, direct
+    async with aiohttp.ClientSession() as http, http.post(f"{router.url}/v1/chat/completions", json=body) as reply:
+        via, headers = await reply.json(), reply.headers
+    assert reply.status == 200 and headers[hdr.ENGINE_REQUEST] == "tokens", (via, dict(headers))
+    assert via["object"] == "chat.completion" and via["id"].startswith("chatcmpl-")
+    for key in ("content", "role"):
+        assert via["choices"][0]["message"][key] == direct["choices"][0]["message"][key]
+    assert via["choices"][0]["finish_reason"] == direct["choices"][0]["finish_reason"]
+    assert [via["usage"][k] for k in ("prompt_tokens", "completion_tokens")] == [
+        direct["usage"][k] for k in ("prompt_tokens", "completion_tokens")]
+
+    _, direct_chunks = await sse_events(engine_chat, body)
+    headers, via_chunks = await sse_events(f"{router.url}/v1/chat/completions", body)
+    assert headers[hdr.ENGINE_REQUEST] == "tokens"
+    assert {c["object"] for c in via_chunks} == {"chat.completion.chunk"}
+    assert via_chunks[0]["choices"][0]["delta"] == direct_chunks[0]["choices"][0]["delta"]  # the role first
+
+    def text(chunks: list[dict[str, Any]]) -> str:
+        return "".join((c["delta"].get("content") or "") for chunk in chunks for c in chunk["choices"])
+
+    def ends(chunks: list[dict[str, Any]]) -> list[Any]:
+        return [c["finish_reason"] for chunk in chunks for c in chunk["choices"] if c.get("finish_reason")]
+
+    assert text(via_chunks) == text(direct_chunks) == direct["choices"][0]["message"]["content"]
+    assert ends(via_chunks) == ends(direct_chunks)
+    assert via_chunks[-1]["usage"]["completion_tokens"] == direct_chunks[-1]["usage"]["completion_tokens"]
+
+    async with aiohttp.ClientSession() as http, http.post(f"{router.url}/v1/chat/completions",
+                                                          json={**body, "logprobs": True}) as reply:
+        shaped = await reply.json()
+        assert reply.status == 200 and reply.headers[hdr.ENGINE_REQUEST] == "chat", shaped
+        assert shaped["choices"][0]["logprobs"]["content"], shaped

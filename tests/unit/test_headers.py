@@ -20,6 +20,7 @@ WIRE = {  # the spelling clients have always read: changing one breaks them
     "x-kvloop-plan-outcome", "x-kvloop-measured", "x-kvloop-prefill-engine", "x-kvloop-decode-engine",
     "x-kvloop-timing", "x-kvloop-prompt-tokens", "x-kvloop-available-tokens", "x-kvloop-matched-tokens",
     "x-kvloop-pulled-tokens", "x-kvloop-local-tokens", "x-kvloop-computed-tokens", "x-kvloop-pull-ms",
+    "x-kvloop-engine-request",
 }
 
 
@@ -56,5 +57,5 @@ def test_the_router_writes_these_headers_and_their_words() -> None:
     measured = sse_measured(comment.strip())
     assert measured is not None
     assert {hdr.header(k) for k in measured} == WIRE - {hdr.REASON, hdr.DECODE_LOCAL_VETO, hdr.PREFILL_ENGINE,
-                                                          hdr.DECODE_ENGINE, hdr.TIMING}
+                                                          hdr.DECODE_ENGINE, hdr.TIMING, hdr.ENGINE_REQUEST}
     assert measured["decision"] == "TRANSFER" and measured["pulled-tokens"] == 8
