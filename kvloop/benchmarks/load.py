@@ -15,6 +15,8 @@ Configurations (``--configs``), on the same engine settings as ``kvloop bench mu
   pull) when that engine is busy: llm-d's recommended setup before P/D, with kvloop's return path;
 - ``kvloop_single``: a fleet of one: the aggregated engine (role ``both``, every core) with kvloop's connector,
   sidecar, broker and router in front: what kvloop's own parts cost a turn, beside the bare engine;
+- ``kvloop_single_chat``: the same fleet of one with the router asking the engine by chat
+  (``chat_as_tokens: false``: the engine renders and tokenizes each turn again): what one rendering a turn saves;
 - ``aggregated``: one engine with its prefix cache on every core: the engine kvloop must match;
 - ``aggregated_steps``: the same engine taking the steps kvloop's decode engine takes (``DECODE_STEP_TOKENS``
   instead of vLLM's default): whether a difference is kvloop's or the step size's.
@@ -91,7 +93,8 @@ from kvloop.shared import mooncake
 from kvloop.shared.http import metric_by_label, read_metrics
 from kvloop.shared.vocabulary import Role
 
-CONFIGS = ("kvloop", "kvloop_pd", "kvloop_dp", "kvloop_single", "one_way", "aggregated", "aggregated_steps")
+CONFIGS = ("kvloop", "kvloop_pd", "kvloop_dp", "kvloop_single", "kvloop_single_chat", "one_way", "aggregated",
+           "aggregated_steps")
 BASELINE = "aggregated"
 
 
@@ -121,7 +124,9 @@ async def start(name: str, model: Path, work: Path, size: Sizing, timeout_s: flo
     routing: dict[str, Any] = {"tokenizer": str(model)}
     if records is not None:
         routing["records_path"] = str(records)
-    if name in ("kvloop_dp", "kvloop_single"):
+    if name == "kvloop_single_chat":
+        routing["chat_as_tokens"] = False
+    if name in ("kvloop_dp", "kvloop_single", "kvloop_single_chat"):
         shares = split_cores(2) if name == "kvloop_dp" else ["auto"]
 
         def fleet(broker: str) -> list[Any]:
