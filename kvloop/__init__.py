@@ -6,8 +6,8 @@ The package has three floors (``docs/architecture.md``; ``tests/unit/test_floors
   telemetry, the gRPC/HTTP server set-up, the broker client, the engine protocol. They import no service.
 - services, :mod:`kvloop.broker`, :mod:`kvloop.engines`, :mod:`kvloop.router` (the repository's top-level
   ``broker/``, ``engines/`` and ``router/`` folders, linked into this package): each imports only the bottom floor.
-- top, the composition root: :mod:`kvloop.cli`, :mod:`kvloop.cluster`, :mod:`kvloop.demo` and
-  :mod:`kvloop.benchmarks`. Nothing below imports them.
+- top, :mod:`kvloop.app`, the composition root: the CLI, the local cluster, the demo, the engine set, the
+  benchmarks and ``kvloop analyze``. Nothing below imports it.
 
 Importing ``kvloop`` starts and imports nothing (vLLM imports the engines' connector in every process).
 """

@@ -117,7 +117,7 @@ def start_broker(name: str, args: Sequence[str], run_dir: Path, env: dict[str, s
     port_file.unlink(missing_ok=True)
     authenticated = any(a.split("=")[0] in ("--auth-secret-file", "--tls-ca") for a in args) or any(
         k in (env or {}) for k in ("KVLOOP_BROKER_AUTH_SECRET_FILE", "KVLOOP_BROKER_TLS_CA"))
-    argv = [sys.executable, "-m", "kvloop.cli", "broker", "serve", "--listen", "127.0.0.1:0",
+    argv = [sys.executable, "-m", "kvloop.app.cli", "broker", "serve", "--listen", "127.0.0.1:0",
             "--port-file", str(port_file), "--metrics-listen", "127.0.0.1:0", "--log-format", "json",
             *([] if authenticated else ["--dev-no-auth"]), *args]
     proc = _spawn(name, argv, run_dir, env=env, cpus=cpus)

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvloop.app.cli import build_parser
 from kvloop.broker.config import BrokerConfig
-from kvloop.cli import build_parser
 from kvloop.engines.config import EngineConfig
 from kvloop.engines.sidecar import SidecarConfig
 from kvloop.router.config import RouterConfig
@@ -54,7 +54,7 @@ def config_class(command: str) -> type[ServiceConfig] | None:
 
 
 def parse_kvloop(argv: Sequence[str], where: str) -> tuple[str, argparse.Namespace]:
-    """``argv`` (``kvloop ...``) through ``kvloop.cli.build_parser()``; the subcommand path and the namespace."""
+    """``argv`` (``kvloop ...``) through ``kvloop.app.cli.build_parser()``; the subcommand path and the namespace."""
     argv = [str(a) for a in argv]
     if not argv or argv[0] != "kvloop":
         raise DeployError(f"{where}: command must start with kvloop (got {argv!r})")
@@ -175,7 +175,7 @@ def stand_ins(tmp: Path) -> dict[str, str]:
     """In-image paths -> local stand-ins (the layout file is written by running the fingerprint command; the
     credentials by ``kvloop auth init``, any token standing in for each caller's own)."""
     model = str(fake_model(tmp / "model"))
-    from kvloop.cli import main
+    from kvloop.app.cli import main
 
     with contextlib.redirect_stdout(io.StringIO()):
         assert main(["auth", "init", "--dir", str(tmp / "auth"), "--router", "router"]) == 0
@@ -185,7 +185,7 @@ def stand_ins(tmp: Path) -> dict[str, str]:
 
 def run_fingerprint(checked: Checked, paths: Mapping[str, str]) -> Path:
     """Run a checked ``kvloop model fingerprint`` with the stand-in paths; the file it wrote."""
-    from kvloop.cli import main
+    from kvloop.app.cli import main
 
     local = replace_paths(checked.argv, paths)
     out = io.StringIO()

@@ -87,7 +87,7 @@ def test_engine_images_match_the_extras() -> None:
     # The tiny model is built in the CPU image with a flag set `kvloop model tiny` accepts.
     runs = [v for op, v in final_stage(DOCKERFILE, "engine-cpu").instructions if op == "RUN"]
     tiny = next(v for v in runs if v.startswith("kvloop model tiny"))
-    from kvloop.cli import build_parser
+    from kvloop.app.cli import build_parser
 
     args = build_parser().parse_args(tiny.split()[1:])
     assert str(args.out) == "/opt/kvloop/models/tiny"

@@ -2,7 +2,7 @@
 
 All are session-scoped and shared: building the model and starting an engine take tens of seconds on
 a 2-core machine. The engines start concurrently (two ``vllm serve`` processes through
-:func:`kvloop.engine_set.start_engines`, kvloop's connector, float32, each with its sidecar registered
+:func:`kvloop.app.engine_set.start_engines`, kvloop's connector, float32, each with its sidecar registered
 with the broker) and are stopped at teardown, even when a test fails. Tests that stop them
 (``@pytest.mark.stops_engines``) are moved to the end.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kvloop.engine_set import start_engines, stop_all
+from kvloop.app.engine_set import start_engines, stop_all
 from kvloop.engines.config import EngineConfig, role_cores, vllm_distribution
 from kvloop.engines.launcher import EngineProcess
 from kvloop.shared import procs
@@ -82,10 +82,10 @@ def no_engine_unless_slow(request: pytest.FixtureRequest, monkeypatch: pytest.Mo
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError(f"{request.node.nodeid} starts an engine but is not marked slow")
 
-    import kvloop.engine_set
+    import kvloop.app.engine_set
     import kvloop.engines.launcher
 
-    for module in (kvloop.engines.launcher, kvloop.engine_set):
+    for module in (kvloop.engines.launcher, kvloop.app.engine_set):
         monkeypatch.setattr(module, "spawn_engine", refuse)
 
 

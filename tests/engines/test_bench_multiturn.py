@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kvloop.benchmarks.workload import WorkloadSpec, replay, synthetic
+from kvloop.app.benchmarks.workload import WorkloadSpec, replay, synthetic
 
 ROOT = Path(__file__).resolve().parents[2]
 QUANTILES = {"p50", "p95", "p99"}
@@ -62,7 +62,7 @@ def test_replay_splits_conversations_at_user_turns(tmp_path: Path) -> None:
 def test_small_multiturn_run_writes_the_promised_json(tiny_model: Path, tmp_path: Path) -> None:
     out = tmp_path / "multiturn.json"
     result = subprocess.run(
-        [sys.executable, "-m", "kvloop.cli", "bench", "multiturn", "--model", str(tiny_model), "--sessions", "2",
+        [sys.executable, "-m", "kvloop.app.cli", "bench", "multiturn", "--model", str(tiny_model), "--sessions", "2",
          "--turns-min", "3", "--turns-max", "3", "--system-tokens", "200", "--tool-median", "60", "--tool-max", "90",
          "--answer-min", "8", "--answer-max", "8", "--concurrency", "2", "--late-tokens", "300",
          "--timeout-s", "120", "--prefill-engines", "1",

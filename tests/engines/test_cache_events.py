@@ -16,7 +16,7 @@ import grpc
 import pytest
 import zmq
 
-from kvloop.benchmarks.pd_driver import post_json
+from kvloop.app.benchmarks.pd_driver import post_json
 from kvloop.engines.layout import engine_fingerprint
 from kvloop.engines.sidecar.cache_events import CacheMirror, decode_batch
 from kvloop.shared.hashing import ExtraKeys, block_keys

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvloop.benchmarks.chaos_faults import KINDS
+from kvloop.app.benchmarks.chaos_faults import KINDS
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_every_fault_kind_once_loses_nothing(tiny_model: Path, tmp_path: Path) -> None:
     out = tmp_path / "chaos.json"
-    argv = [sys.executable, "-m", "kvloop.cli", "bench", "chaos", "--model", str(tiny_model), "--sessions", "4",
+    argv = [sys.executable, "-m", "kvloop.app.cli", "bench", "chaos", "--model", str(tiny_model), "--sessions", "4",
             "--turns", "5", "--concurrency", "2", "--rounds", "1", "--no-baseline", "--seed", "1",
             "--client-timeout-s", "120",
             # A restarted engine the placement does not choose again is waited for 10 s, not 120: its recovery

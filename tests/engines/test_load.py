@@ -21,7 +21,7 @@ SESSIONS = {1: 3, 2: 4}
 
 def test_two_load_points_kvloop_beside_the_aggregated_engine(tiny_model: Path, tmp_path: Path) -> None:
     out = tmp_path / "load.json"
-    argv = [sys.executable, "-m", "kvloop.cli", "bench", "load", "--model", str(tiny_model),
+    argv = [sys.executable, "-m", "kvloop.app.cli", "bench", "load", "--model", str(tiny_model),
             "--configs", "kvloop,aggregated", "--loads", "1,2", "--turns", "3", "--system-tokens", "300",
             "--user-tokens", "100", "--answer-tokens", "16", "--min-requests", "9", "--sessions-per-load", "2",
             "--think-ms", "100", "--prefill-engines", "1", "--warmup-sessions", "1", "--work-dir", str(tmp_path / "w"),

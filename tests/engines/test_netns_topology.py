@@ -290,7 +290,7 @@ def test_services_in_separate_namespaces_transfer_over_the_test_subnet(netns_per
                                                                         tiny_model: Path, tmp_path: Path) -> None:
     topo = topology
     t0 = time.monotonic()
-    py = [sys.executable, "-m", "kvloop.cli"]
+    py = [sys.executable, "-m", "kvloop.app.cli"]
 
     # etcd, then the broker on the etcd store: each binds and advertises its own namespace's address.
     etcd = topo.spawn("etcd", "etcd", [

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from kvloop.benchmarks.stall_probe import ProbeShape, probe, summary
+from kvloop.app.benchmarks.stall_probe import ProbeShape, probe, summary
 from kvloop.engines.config import role_cores
 
 if TYPE_CHECKING:

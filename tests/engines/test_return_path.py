@@ -1,5 +1,5 @@
 """The return path end to end: real vLLM CPU engines with kvloop's connector, their sidecars, a real broker,
-real NIXL over loopback. Turns are driven by :class:`kvloop.benchmarks.pd_driver.PDDriver` over token ids.
+real NIXL over loopback. Turns are driven by :class:`kvloop.app.benchmarks.pd_driver.PDDriver` over token ids.
 
 Proofs come from the engines themselves: the prefill engine's
 ``vllm:prompt_tokens_by_source_total{source=...}`` (tokens computed, hit in its local prefix cache, or
@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import grpc
 import pytest
 
-from kvloop.benchmarks.pd_driver import PDDriver, Turn, post_json
-from kvloop.engine_set import start_engines
+from kvloop.app.benchmarks.pd_driver import PDDriver, Turn, post_json
+from kvloop.app.engine_set import start_engines
 from kvloop.engines.config import EngineConfig, role_cores
 from kvloop.engines.layout import engine_fingerprint
 from kvloop.shared.protocol import decode_local_params

@@ -53,10 +53,10 @@ def test_up_runs_the_demo_and_is_closed_to_a_look_alike_engine(tiny_model: Path,
             up.wait_for(r"kvloop up: serving")
             answered = more_turns(router, tiny_model.name, 14)
             impostor.stop()
-            status = subprocess.run([sys.executable, "-m", "kvloop.cli", "broker", "status", "--broker", broker,
+            status = subprocess.run([sys.executable, "-m", "kvloop.app.cli", "broker", "status", "--broker", broker,
                                      "--json", "--token-file", str(auth / "operator-operator.token")], cwd=ROOT,
                                     capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
-            anonymous = subprocess.run([sys.executable, "-m", "kvloop.cli", "broker", "status", "--broker", broker],
+            anonymous = subprocess.run([sys.executable, "-m", "kvloop.app.cli", "broker", "status", "--broker", broker],
                                        cwd=ROOT, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
         finally:
             result = up.stop()
@@ -108,7 +108,7 @@ class UpProcess:
 
     def __init__(self, tiny_model: Path, tmp_path: Path, env: dict[str, str]) -> None:
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "kvloop.cli", "up", "--prefill", "1", "--decode", "1", "--demo-turns", "6",
+            [sys.executable, "-m", "kvloop.app.cli", "up", "--prefill", "1", "--decode", "1", "--demo-turns", "6",
              "--model", str(tiny_model), "--router-listen", "127.0.0.1:0", "--max-model-len", "4096",
              "--work-dir", str(tmp_path / "up")],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL, env=env)
@@ -227,7 +227,7 @@ def check_demo(result: subprocess.CompletedProcess[str], tmp_path: Path) -> None
     # turn, context, path, reason, local, pulled, computed, engines, TTFT
     rows = [line.split() for line in out.splitlines() if re.match(r"^\s+\d+\s+\d+\s+[A-Z_]+\s", line)]
     assert [r[0] for r in rows] == ["1", "2", "3", "4", "5", "6"], out
-    # The scripted session shows every path (kvloop/demo.py says which turn should take which).
+    # The scripted session shows every path (kvloop/app/demo.py says which turn should take which).
     assert [r[2] for r in rows] == ["RECOMPUTE", "DECODE_LOCAL", "TRANSFER", "DECODE_LOCAL", "PREFILL_LOCAL",
                                     "DECODE_LOCAL"], out
     assert rows[0][3] == "no_match" and int(rows[0][4]) == int(rows[0][5]) == 0

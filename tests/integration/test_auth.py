@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvloop.cli", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "kvloop.app.cli", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=60, stdin=subprocess.DEVNULL)
 
 

@@ -163,8 +163,8 @@ async def test_failover_to_the_follower(start_broker: ModuleBrokerFactory, etcd_
         # An operator's status given both replicas, follower first, shows the leader's view, not the follower's
         # empty one (found by the container test when the second replica won the election).
         status = await asyncio.to_thread(subprocess.run, [
-            sys.executable, "-m", "kvloop.cli", "broker", "status", "--broker", f"{follower.address},{leader.address}",
-            "--json"], capture_output=True, text=True, timeout=60)
+            sys.executable, "-m", "kvloop.app.cli", "broker", "status", "--broker",
+            f"{follower.address},{leader.address}", "--json"], capture_output=True, text=True, timeout=60)
         view = json.loads(status.stdout)
         assert view["leader"] is True and {e["engine"]["engine_id"] for e in view["engines"]} == {"p", "d"}, status
 

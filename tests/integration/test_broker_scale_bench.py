@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvloop.benchmarks import broker_scale
+from kvloop.app.benchmarks import broker_scale
 
 pytestmark = [pytest.mark.slow, pytest.mark.etcd]
 

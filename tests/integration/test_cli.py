@@ -36,9 +36,9 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 async def kvloop(*args: str, env: dict[str, str] | None = None, timeout_s: float = 30.0
                  ) -> subprocess.CompletedProcess[str]:
-    """``python -m kvloop.cli ARGS`` with a deadline (run in a thread: the event loop stays free)."""
+    """``python -m kvloop.app.cli ARGS`` with a deadline (run in a thread: the event loop stays free)."""
     return await asyncio.to_thread(
-        subprocess.run, [sys.executable, "-m", "kvloop.cli", *args], capture_output=True, text=True,
+        subprocess.run, [sys.executable, "-m", "kvloop.app.cli", *args], capture_output=True, text=True,
         timeout=timeout_s, env=env or clean_env(), cwd=REPO, stdin=subprocess.DEVNULL,
     )
 
@@ -147,7 +147,7 @@ async def test_yaml_config_is_honoured_below_env_and_flags(start_broker: ModuleB
 
 def test_sigterm_stops_a_benchmark_as_ctrl_c_does() -> None:
     """SIGTERM's default action would skip the benchmark's finally blocks, which stop its engines and brokers."""
-    proc = subprocess.Popen([sys.executable, "-m", "kvloop.cli", "bench", "broker-scale", "--engines", "1000",
+    proc = subprocess.Popen([sys.executable, "-m", "kvloop.app.cli", "bench", "broker-scale", "--engines", "1000",
                              "--blocks", "1000000", "--steps", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=clean_env(), cwd=REPO, stdin=subprocess.DEVNULL)
     try:

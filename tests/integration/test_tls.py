@@ -221,7 +221,7 @@ async def test_server_only_tls_encrypts_without_identities(start_module_broker: 
 
 def test_broker_status_command_with_tls(mtls_broker: procs.Proc, pki: PKI, capsys: pytest.CaptureFixture[str]
                                         ) -> None:
-    from kvloop.cli import main
+    from kvloop.app.cli import main
 
     address = mtls_broker.extra["address"]
     assert main(["broker", "status", "--broker", address]) == 1
@@ -234,8 +234,8 @@ def test_broker_status_command_with_tls(mtls_broker: procs.Proc, pki: PKI, capsy
 # Configuration: every bad path or pair names its field.
 
 def test_bad_tls_files_name_the_field(pki: PKI, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvloop.app.cli import main
     from kvloop.broker.config import BrokerConfig
-    from kvloop.cli import main
     from kvloop.engines.sidecar import SidecarConfig
 
     def broker(**env: str) -> None:

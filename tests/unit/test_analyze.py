@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from kvloop.analyze import costs, load, retention, shape
-from kvloop.analyze.analysis import Options, analyze
-from kvloop.analyze.main import main as analyze_main
-from kvloop.analyze.retention import Fleet, Setting
-from kvloop.analyze.verdict import verdict
-from kvloop.cli import build_parser
+from kvloop.app.analyze import costs, load, retention, shape
+from kvloop.app.analyze.analysis import Options, analyze
+from kvloop.app.analyze.main import main as analyze_main
+from kvloop.app.analyze.retention import Fleet, Setting
+from kvloop.app.analyze.verdict import verdict
+from kvloop.app.cli import build_parser
 from kvloop.router.directory import EngineInfo
 from kvloop.router.outcome import Turn, TurnOutcome
 from kvloop.router.plan import TurnPlan

@@ -7,8 +7,8 @@ import statistics
 
 import pytest
 
-from kvloop.benchmarks.multiturn import TurnRecord, breakdown, ratios, sizing, tier_recovery, timing
-from kvloop.benchmarks.stats import (
+from kvloop.app.benchmarks.multiturn import TurnRecord, breakdown, ratios, sizing, tier_recovery, timing
+from kvloop.app.benchmarks.stats import (
     HEALTH_FACTOR,
     health,
     min_samples,
@@ -18,7 +18,7 @@ from kvloop.benchmarks.stats import (
     show,
     spread,
 )
-from kvloop.benchmarks.workload import AgentSpec, agent
+from kvloop.app.benchmarks.workload import AgentSpec, agent
 
 
 def test_a_percentile_over_too_few_samples_is_not_the_maximum() -> None:

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from kvloop.benchmarks.chaos import Run, add_arguments, soak_figures, validate, verdict
-from kvloop.benchmarks.chaos_faults import (
+from kvloop.app.benchmarks.chaos import Run, add_arguments, soak_figures, validate, verdict
+from kvloop.app.benchmarks.chaos_faults import (
     KINDS,
     FaultRecord,
     RequestRecord,

@@ -18,7 +18,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("broker", "engines", "router")
-TOP = ("kvloop.cli", "kvloop.cluster", "kvloop.demo", "kvloop.engine_set", "kvloop.benchmarks", "kvloop.analyze")
+TOP = ("kvloop.app",)
+"""The top floor is one subpackage: the CLI, local cluster, demo, engine set, benchmarks and analyze."""
 CORE_MAY_IMPORT = ("kvloop.broker.core", "kvloop.shared.errors", "kvloop.shared.hashing", "kvloop.shared.vocabulary")
 LAUNCHER = "kvloop.engines.launcher"
 
@@ -113,7 +114,7 @@ def test_the_services_are_linked_into_the_kvloop_package() -> None:
 def test_the_tree_keeps_its_floors() -> None:
     graph = real_graph()
     assert {"kvloop.broker.core.state", "kvloop.engines.connector.scheduler", "kvloop.router.turn",
-            "kvloop.shared.protocol", "kvloop.cli", "kvloop.benchmarks.multiturn"} <= set(graph)
+            "kvloop.shared.protocol", "kvloop.app.cli", "kvloop.app.benchmarks.multiturn"} <= set(graph)
     assert violations(graph) == []
 
 
@@ -125,11 +126,11 @@ def test_a_service_importing_another_service_fails() -> None:
 
 
 def test_the_bottom_floor_importing_a_service_or_the_top_fails() -> None:
-    source = "from kvloop.broker.core import BrokerState\n\ndef f():\n    from kvloop.cluster import LocalCluster\n"
+    source = "from kvloop.broker.core import BrokerState\n\ndef f():\n    from kvloop.app.cluster import LocalCluster\n"
     graph = {**real_graph(), "kvloop.shared.extra": imports_of("kvloop.shared.extra", source)}
     assert violations(graph) == [
-        "kvloop.shared.extra (bottom floor) imports kvloop.broker.core (service:broker)",
-        "kvloop.shared.extra (bottom floor) imports kvloop.cluster (top)"]
+        "kvloop.shared.extra (bottom floor) imports kvloop.app.cluster (top)",
+        "kvloop.shared.extra (bottom floor) imports kvloop.broker.core (service:broker)"]
 
 
 def test_the_core_importing_grpc_or_the_client_fails() -> None:

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from kvloop.benchmarks import aiperf
-from kvloop.benchmarks.aiperf import AgentLoad, Request, Slo, TraceLoad
-from kvloop.benchmarks.load import add_arguments, compare, scale_trace, validate
-from kvloop.benchmarks.load_stats import (
+from kvloop.app.benchmarks import aiperf
+from kvloop.app.benchmarks.aiperf import AgentLoad, Request, Slo, TraceLoad
+from kvloop.app.benchmarks.load import add_arguments, compare, scale_trace, validate
+from kvloop.app.benchmarks.load_stats import (
     busy_share,
     cpu_by_part,
     cpu_times,
@@ -23,7 +23,7 @@ from kvloop.benchmarks.load_stats import (
     process_part,
     process_stat,
 )
-from kvloop.benchmarks.multiturn import cores_record, role_binding
+from kvloop.app.benchmarks.multiturn import cores_record, role_binding
 from kvloop.engines.config import role_cores
 from kvloop.shared import headers as hdr
 from kvloop.shared.errors import ConfigError
@@ -159,7 +159,7 @@ def test_cpu_by_part_names_each_process_and_counts_only_this_point() -> None:
     assert process_part("VLLM::EngineCore") == "engine_core"
     assert process_part("/v/python -m kvloop.engines.vllm_entry serve /m --port 1") == "engine_api"
     assert process_part("/v/python -m kvloop.engines.sidecar --engine-id d") == "sidecar"
-    assert process_part("/v/python -m kvloop.cli broker serve --listen x") == "broker"
+    assert process_part("/v/python -m kvloop.app.cli broker serve --listen x") == "broker"
     assert process_part("aiperf timing_manager") is None
     # comm with a space and a parenthesis: the fields after the last ")" are what count
     assert process_stat("42 (VLLM::Work (x)) S 7 1 1 0 -1 0 0 0 0 0 150 50 0 0") == (7, 200)

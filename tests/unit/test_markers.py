@@ -25,7 +25,7 @@ def test_tests_that_use_an_engine_fixture_are_slow_whatever_their_own_markers() 
 
 def test_an_unmarked_test_that_starts_an_engine_fails(tmp_path: Path) -> None:
     probe = ROOT / "tests" / "engines" / "test_zz_marker_probe.py"
-    probe.write_text("from kvloop.engine_set import start_engines\n"
+    probe.write_text("from kvloop.app.engine_set import start_engines\n"
                      "from kvloop.engines.config import EngineConfig\n\n\n"
                      "def test_unmarked(tmp_path):\n"
                      "    (tmp_path / 'config.json').write_text('{}')\n"

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from kvloop.analyze import load
-from kvloop.analyze.analysis import Options, analyze
-from kvloop.analyze.main import main as analyze_main
-from kvloop.cli import build_parser
+from kvloop.app.analyze import load
+from kvloop.app.analyze.analysis import Options, analyze
+from kvloop.app.analyze.main import main as analyze_main
+from kvloop.app.cli import build_parser
 from kvloop.shared import mooncake
 from kvloop.shared.errors import ConfigError
 from kvloop.shared.hashing import common_prefix_blocks

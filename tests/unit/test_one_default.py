@@ -171,8 +171,8 @@ def test_the_engine_ttl_is_typed_once() -> None:
 
 
 def test_the_commands_defaults_are_the_services() -> None:
-    from kvloop.cli import build_parser
-    from kvloop.cluster import add_arguments
+    from kvloop.app.cli import build_parser
+    from kvloop.app.cluster import add_arguments
 
     cli, cluster = ROOT / "kvloop" / "cli.py", ROOT / "kvloop" / "cluster.py"
     parser = build_parser()

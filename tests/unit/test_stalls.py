@@ -1,15 +1,15 @@
-"""The benches' per-turn stall check (:mod:`kvloop.benchmarks.stalls`): a turn is a stall when its TTFT or largest
+"""The benches' per-turn stall check (:mod:`kvloop.app.benchmarks.stalls`): a turn is a stall when its TTFT or largest
 inter-token gap exceeds what its engine's queue and compute explain by more than 1 s; a configuration with one is
 unhealthy, and both benches withhold its ratios."""
 
 from __future__ import annotations
 
-from kvloop.benchmarks.aiperf import Request
-from kvloop.benchmarks.load import compare, point_health
-from kvloop.benchmarks.load_stats import request_turns
-from kvloop.benchmarks.multiturn import TurnRecord, ratios, run_stalls, summarize
-from kvloop.benchmarks.stalls import BOUND_S, TurnTiming, find_stalls
-from kvloop.benchmarks.stats import TURN_OVERHEAD_S, health
+from kvloop.app.benchmarks.aiperf import Request
+from kvloop.app.benchmarks.load import compare, point_health
+from kvloop.app.benchmarks.load_stats import request_turns
+from kvloop.app.benchmarks.multiturn import TurnRecord, ratios, run_stalls, summarize
+from kvloop.app.benchmarks.stalls import BOUND_S, TurnTiming, find_stalls
+from kvloop.app.benchmarks.stats import TURN_OVERHEAD_S, health
 
 RATE = 1000.0
 """The configurations' measured prefill rate in these cases, tokens a second."""

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from kvloop.benchmarks.warmup import WarmUp, session_messages, warm_up
+from kvloop.app.benchmarks.warmup import WarmUp, session_messages, warm_up
 from kvloop.shared import headers as hdr
 from tests.support.fake_engine import FakeEngine
 

@@ -6,9 +6,9 @@ import argparse
 import math
 from pathlib import Path
 
-from kvloop.analyze import load, report
-from kvloop.analyze.analysis import DEFAULT_TTLS, Options, analyze
-from kvloop.analyze.retention import LONGEST_TTL_S, UNLIMITED_BUDGET
+from kvloop.app.analyze import load, report
+from kvloop.app.analyze.analysis import DEFAULT_TTLS, Options, analyze
+from kvloop.app.analyze.retention import LONGEST_TTL_S, UNLIMITED_BUDGET
 from kvloop.broker.core import POLICIES
 from kvloop.shared import mooncake
 from kvloop.shared.errors import ConfigError

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvloop.analyze.stats import quantile
+from kvloop.app.analyze.stats import quantile
 from kvloop.router.records import TurnRecord
 from kvloop.shared.hashing import common_prefix_blocks
 

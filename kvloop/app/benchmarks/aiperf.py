@@ -213,7 +213,7 @@ def run(argv: Sequence[str], artifacts: Path, timeout_s: float, hf_home: Path | 
         return read_records(f)
 
 
-if __name__ == "__main__":  # python -m kvloop.benchmarks.aiperf: install it now (the test command's set-up)
+if __name__ == "__main__":  # python -m kvloop.app.benchmarks.aiperf: install it now (the test command's set-up)
     from kvloop.engines.config import default_work_dir
 
     print(ensure(default_work_dir()))

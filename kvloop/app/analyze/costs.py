@@ -18,7 +18,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from kvloop.analyze.stats import spread
+from kvloop.app.analyze.stats import spread
 from kvloop.router.records import TurnRecord
 from kvloop.shared.vocabulary import Path
 

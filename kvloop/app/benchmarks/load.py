@@ -1,8 +1,8 @@
 """``kvloop bench load``: goodput at a stated SLO over a sweep of load, each configuration on its own engines,
-one after another, driven by NVIDIA AIPerf (:mod:`kvloop.benchmarks.aiperf`).
+one after another, driven by NVIDIA AIPerf (:mod:`kvloop.app.benchmarks.aiperf`).
 
 Configurations (``--configs``), on the same engine settings as ``kvloop bench multiturn`` (its
-:func:`~kvloop.benchmarks.multiturn.engine_config`: model, dtype, core split, queue-spin cap):
+:func:`~kvloop.app.benchmarks.multiturn.engine_config`: model, dtype, core split, queue-spin cap):
 
 - ``kvloop``: ``kvloop up``'s topology (2 prefill engines on the first half of the cores, 1 decode engine on
   the second), broker and router;
@@ -33,7 +33,7 @@ highest load with 90% and 99% of requests within the SLO).
 
 Health: a configuration whose point has errors, a request queued over ``STALL_S`` in an engine, or a request
 whose time to first token or largest gap between chunks exceeds what its engine's queue and compute explain by
-more than ``BOUND_S`` (:mod:`kvloop.benchmarks.stalls`, from AIPerf's per-request records and, with
+more than ``BOUND_S`` (:mod:`kvloop.app.benchmarks.stalls`, from AIPerf's per-request records and, with
 ``--router-records``, the router's) is unhealthy there; at its lowest load its time to first token is also held
 against its engines' prefill time as in the multi-turn bench (under load, queueing is what is measured, so the
 factor check applies only where there is none). Ratios against ``aggregated`` are withheld where either side is
@@ -55,9 +55,9 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from kvloop.benchmarks import aiperf
-from kvloop.benchmarks.aiperf import AgentLoad, Slo, TraceLoad
-from kvloop.benchmarks.load_stats import (
+from kvloop.app.benchmarks import aiperf
+from kvloop.app.benchmarks.aiperf import AgentLoad, Slo, TraceLoad
+from kvloop.app.benchmarks.load_stats import (
     PARTS,
     busy_share,
     cpu_by_part,
@@ -70,7 +70,7 @@ from kvloop.benchmarks.load_stats import (
     ratio,
     request_turns,
 )
-from kvloop.benchmarks.multiturn import (
+from kvloop.app.benchmarks.multiturn import (
     BASELINE_EXTRA,
     BLOCK,
     Sizing,
@@ -82,11 +82,11 @@ from kvloop.benchmarks.multiturn import (
     start_config,
     step_budgets,
 )
-from kvloop.benchmarks.stalls import BOUND_S, StallReport, find_stalls, prefill_rate
-from kvloop.benchmarks.stats import STALL_S, health, markdown_table, show
-from kvloop.benchmarks.warmup import WarmUp, warm_up
-from kvloop.cluster import LocalCluster
-from kvloop.engine_set import EngineSet, start_engines
+from kvloop.app.benchmarks.stalls import BOUND_S, StallReport, find_stalls, prefill_rate
+from kvloop.app.benchmarks.stats import STALL_S, health, markdown_table, show
+from kvloop.app.benchmarks.warmup import WarmUp, warm_up
+from kvloop.app.cluster import LocalCluster
+from kvloop.app.engine_set import EngineSet, start_engines
 from kvloop.engines.config import DECODE_STEP_TOKENS, default_work_dir, split_cores
 from kvloop.engines.model import ensure_tiny_model
 from kvloop.shared import mooncake
@@ -481,7 +481,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_topology_arguments(parser)
     parser.add_argument("--warmup-sessions", type=int, default=4, help="chat sessions of the bench's own text sent "
                         "together (three rounds) to each configuration before its first point, so that no point pays "
-                        "what a new cluster pays once (kvloop.benchmarks.warmup); 0: none")
+                        "what a new cluster pays once (kvloop.app.benchmarks.warmup); 0: none")
     parser.add_argument("--timeout-s", type=float, default=120.0, help="a request's deadline")
     parser.add_argument("--point-timeout-s", type=float, default=1200.0, help="one load point's deadline")
     parser.add_argument("--seed", type=int, default=0)

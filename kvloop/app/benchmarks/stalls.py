@@ -1,6 +1,6 @@
 """The per-turn stall check of the benchmarks' health, pure: a turn whose time to first token (TTFT) or largest
 gap between streamed tokens is longer than its engine's queue and compute explain, by more than ``BOUND_S``, is a
-stall; a configuration with any stall is unhealthy (:func:`kvloop.benchmarks.stats.health`), so the benches
+stall; a configuration with any stall is unhealthy (:func:`kvloop.app.benchmarks.stats.health`), so the benches
 withhold its ratios. No I/O, no clock: every time is what the bench measured. Unit-tested in
 ``tests/unit/test_stalls.py``.
 
@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvloop.benchmarks.stats import TURN_OVERHEAD_S
+from kvloop.app.benchmarks.stats import TURN_OVERHEAD_S
 
 BOUND_S = 1.0
 """A turn is a stall when its TTFT or largest gap exceeds what explains it by more than this."""

@@ -131,31 +131,31 @@ def _auth_init(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from kvloop.cluster import up_main
+    from kvloop.app.cluster import up_main
 
     return up_main(args)
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from kvloop.demo import demo_main
+    from kvloop.app.demo import demo_main
 
     return demo_main(args)
 
 
 def _bench_broker(args: argparse.Namespace) -> int:
-    from kvloop.benchmarks.broker_bench import main as bench_main
+    from kvloop.app.benchmarks.broker_bench import main as bench_main
 
     return bench_main(args)
 
 
 def _analyze(args: argparse.Namespace) -> int:
-    from kvloop.analyze.main import main as analyze_main
+    from kvloop.app.analyze.main import main as analyze_main
 
     return analyze_main(args)
 
 
 def _bench_broker_scale(args: argparse.Namespace) -> int:
-    from kvloop.benchmarks.broker_scale import main as bench_main
+    from kvloop.app.benchmarks.broker_scale import main as bench_main
 
     return bench_main(args)
 
@@ -200,25 +200,25 @@ def _model_fingerprint(args: argparse.Namespace) -> int:
 
 
 def _bench_engines(args: argparse.Namespace) -> int:
-    from kvloop.benchmarks.engine_bench import main as bench_main
+    from kvloop.app.benchmarks.engine_bench import main as bench_main
 
     return bench_main(args)
 
 
 def _bench_multiturn(args: argparse.Namespace) -> int:
-    from kvloop.benchmarks.multiturn import main as bench_main
+    from kvloop.app.benchmarks.multiturn import main as bench_main
 
     return bench_main(args)
 
 
 def _bench_load(args: argparse.Namespace) -> int:
-    from kvloop.benchmarks.load import main as bench_main
+    from kvloop.app.benchmarks.load import main as bench_main
 
     return bench_main(args)
 
 
 def _bench_chaos(args: argparse.Namespace) -> int:
-    from kvloop.benchmarks.chaos import main as bench_main
+    from kvloop.app.benchmarks.chaos import main as bench_main
 
     return bench_main(args)
 
@@ -273,8 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "for the services' user)")
     init.set_defaults(func=_auth_init)
 
-    from kvloop.cluster import add_arguments as add_up_arguments
-    from kvloop.demo import add_arguments as demo_add_arguments
+    from kvloop.app.cluster import add_arguments as add_up_arguments
+    from kvloop.app.demo import add_arguments as demo_add_arguments
 
     up = sub.add_parser("up", help="the local cluster: broker, 2 prefill + 1 decode engines with sidecars, router; "
                                    "then a demo session")
@@ -305,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
                                   "for the sidecar's --config")
     fingerprint.set_defaults(func=_model_fingerprint)
 
-    from kvloop.analyze.main import add_arguments as add_analyze_arguments
+    from kvloop.app.analyze.main import add_arguments as add_analyze_arguments
 
     analyze = sub.add_parser("analyze", help="will the return path pay on this traffic? prefix shares, retention "
                                              "replayed through the broker's core, bytes, predicted TTFT, a verdict")
@@ -335,37 +335,37 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     bench_broker = bench.add_parser("broker", help="placement/publish/pin cycles against a real broker")
-    from kvloop.benchmarks.broker_bench import add_arguments as add_bench_arguments
+    from kvloop.app.benchmarks.broker_bench import add_arguments as add_bench_arguments
 
     add_bench_arguments(bench_broker)
     bench_broker.set_defaults(func=_bench_broker)
     bench_scale = bench.add_parser("broker-scale", help="1,000 engines and 1,000,000 retained blocks through the "
                                                         "real core and gRPC service: placement, memory, store writes")
-    from kvloop.benchmarks.broker_scale import add_arguments as add_scale_arguments
+    from kvloop.app.benchmarks.broker_scale import add_arguments as add_scale_arguments
 
     add_scale_arguments(bench_scale)
     bench_scale.set_defaults(func=_bench_broker_scale)
     bench_engines = bench.add_parser("engines", help="return path on/off on one growing session, and idle CPU "
                                                      "of engines before/after kvloop's fix (real vLLM engines)")
-    from kvloop.benchmarks.engine_bench import add_arguments as add_engines_bench_arguments
+    from kvloop.app.benchmarks.engine_bench import add_arguments as add_engines_bench_arguments
 
     add_engines_bench_arguments(bench_engines)
     bench_engines.set_defaults(func=_bench_engines)
     bench_multiturn = bench.add_parser("multiturn", help="one multi-turn workload through one_way, upstream, kvloop "
                                                          "and ideal configurations, with TTFT percentiles and ratios")
-    from kvloop.benchmarks.multiturn import add_arguments as add_multiturn_arguments
+    from kvloop.app.benchmarks.multiturn import add_arguments as add_multiturn_arguments
 
     add_multiturn_arguments(bench_multiturn)
     bench_multiturn.set_defaults(func=_bench_multiturn)
     bench_load = bench.add_parser("load", help="goodput at an SLO over a sweep of load, kvloop beside the aggregated "
                                                "engine, driven by AIPerf")
-    from kvloop.benchmarks.load import add_arguments as add_load_arguments
+    from kvloop.app.benchmarks.load import add_arguments as add_load_arguments
 
     add_load_arguments(bench_load)
     bench_load.set_defaults(func=_bench_load)
     bench_chaos = bench.add_parser("chaos", help="agent sessions through the router while seeded faults hit the "
                                                  "cluster: hangs, wrong answers, books, recovery times")
-    from kvloop.benchmarks.chaos import add_arguments as add_chaos_arguments
+    from kvloop.app.benchmarks.chaos import add_arguments as add_chaos_arguments
 
     add_chaos_arguments(bench_chaos)
     bench_chaos.set_defaults(func=_bench_chaos)

@@ -33,8 +33,8 @@ from typing import Any
 
 import aiohttp
 
-from kvloop.benchmarks.chaos_cluster import ChaosCluster, ChaosSettings
-from kvloop.benchmarks.chaos_faults import (
+from kvloop.app.benchmarks.chaos_cluster import ChaosCluster, ChaosSettings
+from kvloop.app.benchmarks.chaos_faults import (
     KINDS,
     Fault,
     FaultRecord,
@@ -44,9 +44,9 @@ from kvloop.benchmarks.chaos_faults import (
     recovered_at,
     schedule,
 )
-from kvloop.benchmarks.stats import percentile
-from kvloop.benchmarks.workload import AgentSpec, Conversation, agent
-from kvloop.engine_set import EngineSet, start_engines
+from kvloop.app.benchmarks.stats import percentile
+from kvloop.app.benchmarks.workload import AgentSpec, Conversation, agent
+from kvloop.app.engine_set import EngineSet, start_engines
 from kvloop.engines.config import EngineConfig, default_work_dir
 from kvloop.engines.model import ensure_tiny_model
 from kvloop.shared import headers as hdr

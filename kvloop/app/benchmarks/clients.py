@@ -189,7 +189,7 @@ class AggregatedClient(Client):
     async def turn(self, conv: str, prompt: list[int], max_tokens: int) -> Served:
         t0 = time.perf_counter()
         # Usage at the stream's end (after the last token): the engine's prefix-cache hit, so the stall check
-        # (kvloop.benchmarks.stalls) knows what the turn computed.
+        # (kvloop.app.benchmarks.stalls) knows what the turn computed.
         body = {**self.body(prompt, max_tokens), "stream_options": {"include_usage": True}}
         ids, ttft, itl, got = await stream(self.http, f"{self.engine}/v1/completions", body, t0, self.timeout_s)
         cached = got.get(USAGE_CACHED)

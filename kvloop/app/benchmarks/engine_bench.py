@@ -31,8 +31,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from kvloop.benchmarks.pd_driver import PDDriver, post_json
-from kvloop.engine_set import EngineSet, start_engines
+from kvloop.app.benchmarks.pd_driver import PDDriver, post_json
+from kvloop.app.engine_set import EngineSet, start_engines
 from kvloop.engines.config import EngineConfig, default_work_dir, role_cores
 from kvloop.engines.launcher import EngineProcess
 from kvloop.engines.layout import engine_fingerprint

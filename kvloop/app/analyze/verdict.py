@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvloop.analyze.retention import Hits, Setting
+from kvloop.app.analyze.retention import Hits, Setting
 
 ENOUGH_HITS = 0.9
 """A setting is enough when it finds this share of the turns the ideal replay finds."""

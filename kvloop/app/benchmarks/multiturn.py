@@ -16,10 +16,10 @@ kvloop's connector on every P/D engine (its NIXL progress-thread delay and one-p
 baselines run it with ``kvloop_retain`` off and no broker. Every prefill engine has room for ``concurrency``
 full-length prompts plus a quarter of the histories; every decode and aggregated engine the default KV space.
 
-Each configuration's health is checked against its own figures (:mod:`kvloop.benchmarks.stats`): one with
+Each configuration's health is checked against its own figures (:mod:`kvloop.app.benchmarks.stats`): one with
 errors, requests queued over ``STALL_S`` in an engine, a time to first token more than ``HEALTH_FACTOR``
 times its engines' prefill time, or any turn whose time to first token or inter-token gap exceeds what its
-engine's queue and compute explain by more than ``BOUND_S`` (:mod:`kvloop.benchmarks.stalls`) is marked
+engine's queue and compute explain by more than ``BOUND_S`` (:mod:`kvloop.app.benchmarks.stalls`) is marked
 unhealthy, and ratios that involve it are withheld. The table counts each configuration's stalled turns.
 """
 
@@ -41,7 +41,7 @@ from typing import Any
 
 import aiohttp
 
-from kvloop.benchmarks.clients import (
+from kvloop.app.benchmarks.clients import (
     AggregatedClient,
     Client,
     OneWayClient,
@@ -49,8 +49,8 @@ from kvloop.benchmarks.clients import (
     Served,
     UpstreamClient,
 )
-from kvloop.benchmarks.stalls import BOUND_S, StallReport, TurnTiming, find_stalls, prefill_rate
-from kvloop.benchmarks.stats import (
+from kvloop.app.benchmarks.stalls import BOUND_S, StallReport, TurnTiming, find_stalls, prefill_rate
+from kvloop.app.benchmarks.stats import (
     HEALTH_FACTOR,
     STALL_S,
     TURN_OVERHEAD_S,
@@ -61,9 +61,9 @@ from kvloop.benchmarks.stats import (
     show,
     spread,
 )
-from kvloop.benchmarks.workload import AgentSpec, Conversation, WorkloadSpec, agent, describe, replay, synthetic
-from kvloop.cluster import LocalCluster
-from kvloop.engine_set import EngineSet, start_engines
+from kvloop.app.benchmarks.workload import AgentSpec, Conversation, WorkloadSpec, agent, describe, replay, synthetic
+from kvloop.app.cluster import LocalCluster
+from kvloop.app.engine_set import EngineSet, start_engines
 from kvloop.engines.config import EngineConfig, default_work_dir, role_cores
 from kvloop.engines.model import ensure_tiny_model
 from kvloop.shared.http import engine_client_connector, metric_by_label, metric_total, read_metrics
@@ -297,7 +297,7 @@ def engine_snapshot(urls: list[str], token_urls: list[str]) -> dict[str, float]:
     """The figures the health check needs, summed over the engines, and the prompt tokens by source over the
     engines that serve prompts (``token_urls``: prefill and aggregated engines; a decode engine's whole-prompt
     read from its prefill engine is the P/D hand-off, not reuse); ``computed_all``: the tokens every engine
-    computed, decode engines' included (the prefill rate of :mod:`kvloop.benchmarks.stalls`)."""
+    computed, decode engines' included (the prefill rate of :mod:`kvloop.app.benchmarks.stalls`)."""
     totals: dict[str, float] = {}
     for url in urls:
         samples = read_metrics(url)

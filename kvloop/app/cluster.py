@@ -2,12 +2,12 @@
 
 :class:`LocalCluster` is what ``kvloop up`` runs and what the multi-turn benchmark's kvloop configuration runs:
 the broker and the router in this process (the broker on the memory store, or with ``etcd`` a local etcd from
-Debian's package and the etcd store), the engines through :mod:`kvloop.engine_set`. Start-up waits on each
+Debian's package and the etcd store), the engines through :mod:`kvloop.app.engine_set`. Start-up waits on each
 part's health; stop runs in reverse order and is safe after a partial start. The broker authenticates every
 caller: the cluster makes a new secret in ``run_dir/auth`` and gives each sidecar and the router its own token.
 
 ``kvloop up`` starts one on the tiny model (built on first use), prints the endpoints, runs the demo
-(:mod:`kvloop.demo`) and serves until Ctrl-C or SIGTERM (``--once``: stops after the demo).
+(:mod:`kvloop.app.demo`) and serves until Ctrl-C or SIGTERM (``--once``: stops after the demo).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvloop.app.demo import run_demo
+from kvloop.app.engine_set import EngineSet, start_engines
 from kvloop.broker.config import BrokerConfig
 from kvloop.broker.server import SERVICE_NAME, RunningBroker, start_broker
-from kvloop.demo import run_demo
-from kvloop.engine_set import EngineSet, start_engines
 from kvloop.engines.config import EngineConfig, default_work_dir
 from kvloop.engines.launcher import sidecar_address
 from kvloop.engines.model import ensure_tiny_model

@@ -3,9 +3,9 @@ each core's busy share from two ``/proc/stat`` readings. No I/O; unit-tested in 
 
 Goodput is DistServe's: requests that met every target of the SLO, per second of the point's wall time (first
 request sent to last answer received). A failed request meets no target. Percentiles admit their sample size
-(:func:`kvloop.benchmarks.stats.percentiles_ms`: a p99 needs 100 samples).
+(:func:`kvloop.app.benchmarks.stats.percentiles_ms`: a p99 needs 100 samples).
 
-The stall check (:mod:`kvloop.benchmarks.stalls`) reads each request as AIPerf timed it (wall-clock send and end,
+The stall check (:mod:`kvloop.app.benchmarks.stalls`) reads each request as AIPerf timed it (wall-clock send and end,
 TTFT, every gap between chunks), what it computed from its usage (prompt less cached tokens), and, where the
 router wrote per-turn records (``--router-records``), the engines that served it, their own computed-token
 account and the router's deliberate waits (:func:`request_turns`)."""
@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvloop.benchmarks.aiperf import Request, Slo
-from kvloop.benchmarks.stalls import TurnTiming
-from kvloop.benchmarks.stats import percentiles_ms
+from kvloop.app.benchmarks.aiperf import Request, Slo
+from kvloop.app.benchmarks.stalls import TurnTiming
+from kvloop.app.benchmarks.stats import percentiles_ms
 
 MATCH_SLACK_S = 0.5
 """A router record is a request's when it arrived between this long before the request was sent and this long

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvloop.benchmarks.stalls import StallReport
+    from kvloop.app.benchmarks.stalls import StallReport
 
 QUANTILES = {"p50": 0.50, "p95": 0.95, "p99": 0.99}
 
@@ -62,7 +62,7 @@ class Health:
     ttft_over_prefill: float | None
     stalled_requests: int
     stalled_turns: int = 0
-    """Turns that stalled beyond their queue and compute (:mod:`kvloop.benchmarks.stalls`)."""
+    """Turns that stalled beyond their queue and compute (:mod:`kvloop.app.benchmarks.stalls`)."""
 
 
 def health(*, errors: int, turns: int, ttft_sum_s: float, prefill_sum_s: float, stalled_requests: int,

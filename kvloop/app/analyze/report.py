@@ -6,10 +6,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvloop.analyze.analysis import Analysis
-from kvloop.analyze.costs import ModelCheck
-from kvloop.analyze.stats import quantile, spread
-from kvloop.analyze.verdict import ENOUGH_HITS
+from kvloop.app.analyze.analysis import Analysis
+from kvloop.app.analyze.costs import ModelCheck
+from kvloop.app.analyze.stats import quantile, spread
+from kvloop.app.analyze.verdict import ENOUGH_HITS
 
 
 def _row(cells: Sequence[object]) -> str:

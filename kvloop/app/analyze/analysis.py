@@ -6,10 +6,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvloop.analyze import costs, retention, shape
-from kvloop.analyze.costs import CostModel, Interconnect, ModelCheck
-from kvloop.analyze.retention import Fleet, Hits, Replay, Setting
-from kvloop.analyze.verdict import Verdict, starting_setting, verdict
+from kvloop.app.analyze import costs, retention, shape
+from kvloop.app.analyze.costs import CostModel, Interconnect, ModelCheck
+from kvloop.app.analyze.retention import Fleet, Hits, Replay, Setting
+from kvloop.app.analyze.verdict import Verdict, starting_setting, verdict
 from kvloop.router.records import TurnRecord
 from kvloop.shared.vocabulary import Path
 

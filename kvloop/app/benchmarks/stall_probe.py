@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from kvloop.benchmarks.clients import stream
+from kvloop.app.benchmarks.clients import stream
 
 
 @dataclass(frozen=True)

@@ -41,9 +41,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvloop.analyze.stats import quantile
-from kvloop.benchmarks.broker_bench import broker_and_client_cpus
-from kvloop.benchmarks.broker_scale_client import ClientResult, ClientWork, answer, drive, in_a_process
+from kvloop.app.analyze.stats import quantile
+from kvloop.app.benchmarks.broker_bench import broker_and_client_cpus
+from kvloop.app.benchmarks.broker_scale_client import ClientResult, ClientWork, answer, drive, in_a_process
 from kvloop.broker.core import Changes, Lease, PlaceInput
 from kvloop.broker.store.base import Snapshot
 from kvloop.shared.serving import run_async
