@@ -8,8 +8,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from kvloop.cluster import pd_configs
-from kvloop.engine_set import start_engines
+from kvloop.app.cluster import pd_configs
+from kvloop.app.engine_set import start_engines
 from kvloop.shared.procs import start_broker
 
 model = Path(".kvloop/models/tiny").absolute()
