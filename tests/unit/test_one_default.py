@@ -174,7 +174,7 @@ def test_the_commands_defaults_are_the_services() -> None:
     from kvloop.app.cli import build_parser
     from kvloop.app.cluster import add_arguments
 
-    cli, cluster = ROOT / "kvloop" / "cli.py", ROOT / "kvloop" / "cluster.py"
+    cli, cluster = ROOT / "kvloop" / "app" / "cli.py", ROOT / "kvloop" / "app" / "cluster.py"
     parser = build_parser()
     assert parser.parse_args(["broker", "status"]).broker == default(BrokerConfig, "listen")
     assert flag_keywords(cli, "--broker")["default"] is False
