@@ -12,24 +12,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvloop.shared.http import metric_total, parse_metrics
+
 PROGRESS_METRICS = ("vllm:iteration_tokens_total_count", "vllm:prompt_tokens_total", "vllm:generation_tokens_total")
 """vLLM 0.32's counters that move with every engine step (steps, prompt tokens computed, tokens generated)."""
 
 
 def progress_count(metrics_text: str) -> float | None:
     """The sum of :data:`PROGRESS_METRICS` over every label set in a Prometheus text exposition; None when the
-    exposition holds none of them (not a vLLM engine, or a vLLM that renamed them)."""
-    total, seen = 0.0, False
-    for line in metrics_text.splitlines():
-        name = line.split(" ", 1)[0].split("{", 1)[0]
-        if name not in PROGRESS_METRICS:
-            continue
-        try:
-            total += float(line.rsplit(" ", 1)[1])
-            seen = True
-        except (IndexError, ValueError):
-            continue
-    return total if seen else None
+    exposition holds none of them (not a vLLM engine, or a vLLM that renamed them) or does not parse."""
+    try:
+        samples = parse_metrics(metrics_text)
+    except ValueError:
+        return None
+    if not any(key.split("{", 1)[0] in PROGRESS_METRICS for key in samples):
+        return None
+    return sum(metric_total(samples, name) for name in PROGRESS_METRICS)
 
 
 @dataclass
