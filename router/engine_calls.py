@@ -51,6 +51,7 @@ replaced between ``engine_stall_s`` and 1.25x that after its last progress."""
 class EngineFrozen(TimeoutError):
     """An engine showed no progress for ``engine_stall_s`` while a call to it waited: retried elsewhere."""
 
+
 CHAT_TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
                         "add_special_tokens", "tools", "documents")
 """Request fields that change how a chat is rendered into tokens: passed to ``/tokenize`` as given."""

@@ -111,11 +111,7 @@ class TurnRunner:
             self.records.close()
         await self.placer.close()
 
-    async def tokenize(self, kind: str, body: dict[str, Any]) -> list[int]:
-        tokens, _ = await self.tokenize_where(kind, body)
-        return tokens
-
-    async def tokenize_where(self, kind: str, body: dict[str, Any]) -> tuple[list[int], bool]:
+    async def tokenize(self, kind: str, body: dict[str, Any]) -> tuple[list[int], bool]:
         """The prompt's token ids, and whether the router rendered them itself (else: the client's ids, or an
         engine's ``/tokenize``)."""
         if kind == "completion" and isinstance(body.get("prompt"), list) and all(
@@ -171,7 +167,7 @@ class TurnRunner:
 
         cpu = time.thread_time()
         with tracer.start_as_current_span("kvloop.tokenize"):
-            tokens, rendered_here = await self.tokenize_where(kind, body)
+            tokens, rendered_here = await self.tokenize(kind, body)
         lap("tokenize")
         # The loop thread's CPU within the step: a step much longer than its CPU waited (the GIL, the cores).
         timings["tokenize_cpu"] = round((time.thread_time() - cpu) * 1e3, 3)
