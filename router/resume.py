@@ -19,6 +19,18 @@ from dataclasses import dataclass
 from typing import Any
 
 
+def sse_data(line: bytes) -> Any:
+    """The JSON of an SSE ``data: {...}`` line, None for any other line (comments, blank lines, ``[DONE]``, what
+    does not parse). The relay parses each chunk once, here, for the ledger and the chat conversion: two parses a
+    chunk were ~8 us of the router's ~36 us a streamed token."""
+    if not line.startswith(b"data: {"):
+        return None
+    try:
+        return json.loads(line[6:])
+    except ValueError:
+        return None
+
+
 def chunk_choice(data: Any) -> dict[str, Any] | None:
     choices = data.get("choices") if isinstance(data, dict) else None
     if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
@@ -62,13 +74,10 @@ class StreamLedger:
         """A new stream begins: drop what was delivered (and the new stream's opening chunks without content)."""
         self.skip_text, self.skip_tokens, self.replaying = len(self.delivered_text), self.delivered_tokens, True
 
-    def relay(self, line: bytes) -> bytes | None:
-        """The line to send the client (None: drop it), recording what it delivers."""
-        if not line.startswith(b"data: {"):
-            return line
-        try:
-            data = json.loads(line[6:])
-        except ValueError:
+    def relay(self, line: bytes, data: Any) -> bytes | None:
+        """The line to send the client (None: drop it), recording what it delivers; ``data``: the line's
+        :func:`sse_data`, rewritten in place when a replayed chunk is cut."""
+        if data is None:
             return line
         choice = chunk_choice(data)
         if choice is None:

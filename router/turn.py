@@ -51,7 +51,7 @@ from kvloop.router.plan import (
     prefill_request,
 )
 from kvloop.router.records import RecordWriter, turn_record
-from kvloop.router.resume import StreamLedger
+from kvloop.router.resume import StreamLedger, sse_data
 from kvloop.router.tokenizer import RouterTokenizer
 from kvloop.shared.client import plan_attributes, transfer_params
 from kvloop.shared.protocol import SESSION_KEY, PrefillReport, decode_local_params, prefill_only_params
@@ -248,7 +248,7 @@ class TurnRunner:
         turn.outcome.decode_started_ns = time.time_ns()
         ledger = StreamLedger()
         resumable = int(turn.body.get("n") or 1) == 1
-        as_chat = ChatStream().line if turn.as_tokens else (lambda line: line)
+        as_chat = ChatStream().line if turn.as_tokens else (lambda line, data: line)
         attempts = Attempts(candidates(turn.plan.decodes), "no decode engine could serve the request",
                             STREAM_RETRYABLE)
         for attempt in attempts:
@@ -264,11 +264,12 @@ class TurnRunner:
                     turn.outcome.decode = engine
                     async for line in reply.content:
                         computed()
+                        data = sse_data(line) if resumable or turn.as_tokens else None
                         if not resumable:
                             ledger.chunks += 1  # only that the client has had something
-                            yield as_chat(line)
-                        elif (relayed := ledger.relay(line)) is not None:
-                            yield as_chat(relayed)
+                            yield as_chat(line, data)
+                        elif (relayed := ledger.relay(line, data)) is not None:
+                            yield as_chat(relayed, data)
                 if ledger.diverged:
                     self.metrics.fallbacks.labels(Fallback.DECODE_RESUME_DIVERGED).inc()
                 return
