@@ -1,0 +1,267 @@
+"""A discrete-event replay of a multi-turn workload through a modelled fleet: every engine is an
+:class:`~kvloop.shared.engine_model.EngineSim` (continuous batching, chunked prefill, prefix cache, KV pool,
+pulls), and every P/D turn is placed by the broker's real core (:mod:`kvloop.app.fleet.broker`), as
+``kvloop analyze``'s retention replay places its records. Deterministic: the same inputs give the same figures.
+
+Configurations (named as ``kvloop bench load`` names them):
+
+- ``kvloop``: P/D with the return path. The router places each turn (its own cost first), then the path runs:
+  DECODE_LOCAL, the decode engine computes the tail from what it retained and decodes; PREFILL_LOCAL or
+  RECOMPUTE, a prefill engine computes the prompt, the decode engine pulls it (the P/D hop) and decodes;
+  TRANSFER, the prefill engine pulls the lease's blocks its cache lacks from their holder, computes the rest, then
+  the hop. A decode engine retains each finished turn as a lease (the broker's budgets, TTLs and evictions).
+- ``one_way``: the same fleet without retention, the router asking for strict P/D: every turn is prefilled; the
+  prefill engines' own prefix caches still count (the soft index).
+- ``aggregated``: engines doing both with their own prefix caches; each turn goes to the engine with the longest
+  cached prefix, then the least loaded (one engine: the bare engine, no router).
+
+Sessions are closed-loop as the load bench drives them: ``concurrency`` sessions at a time, each sending its
+turns one after another, with its think time after each answer; a session holds its place until its last think
+ends, then the next session starts.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from typing import Any
+
+from kvloop.app.benchmarks.aiperf import Slo
+from kvloop.app.benchmarks.workload import Conversation
+from kvloop.app.fleet.broker import BrokerSettings, BrokerSide
+from kvloop.app.fleet.figures import TurnResult, actual_path, point
+from kvloop.app.fleet.sessions import FINGERPRINT, SessionTokens, Turn
+from kvloop.broker.core import PlaceInput
+from kvloop.engines.config import DECODE_STEP_TOKENS
+from kvloop.shared.engine_model import Account, EngineProfile, EngineSim, Event, EventKind, SimRequest
+from kvloop.shared.errors import ConfigError, ResourceExhausted
+from kvloop.shared.protocol import retainable_blocks
+from kvloop.shared.vocabulary import Path, Role
+
+
+class Config(StrEnum):
+    KVLOOP = "kvloop"
+    ONE_WAY = "one_way"
+    AGGREGATED = "aggregated"
+
+
+class Stage(StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    """The engine that streams the answer: a decode engine, or an aggregated one."""
+
+
+@dataclass(frozen=True, slots=True)
+class FleetSpec:
+    prefill_engines: int = 2
+    decode_engines: int = 1
+    aggregated_engines: int = 1
+    decode_step_tokens: int = DECODE_STEP_TOKENS
+    """A decode engine's step budget, as kvloop's engines set it (0: the profile's)."""
+    broker: BrokerSettings = field(default_factory=BrokerSettings)
+
+
+@dataclass(slots=True)
+class _Turn:
+    turn: Turn
+    session: SessionTokens
+    arrived: float
+    planned: Path = Path.RECOMPUTE
+    prefill: str = ""
+    decode: str = ""
+    pin: str = ""
+    known: int = 0
+    first_token: float = math.nan
+    prefill_account: Account | None = None
+
+
+class Replay:
+    """One configuration's replay of one load point. ``run()`` returns its turns, in the order they finished."""
+
+    def __init__(self, config: Config, conversations: Sequence[Conversation], fleet: FleetSpec,
+                 profile: EngineProfile, concurrency: int) -> None:
+        self.config, self.profile, self.fleet = config, profile, fleet
+        self.engines = _engines(config, fleet, profile)
+        self.broker = None if config is Config.AGGREGATED else BrokerSide(self.engines, fleet.broker, 0.0)
+        self.pending: deque[SessionTokens] = deque(SessionTokens(c, profile.block_size) for c in conversations)
+        self.concurrency = concurrency
+        self.queue: list[tuple[float, int, Callable[[float], None]]] = []
+        self._seq = itertools.count()
+        self.requests: dict[str, tuple[_Turn, Stage]] = {}
+        self.in_flight: Counter[str] = Counter()
+        self.results: list[TurnResult] = []
+        self.held: list[tuple[float, int]] = [(0.0, 0)]
+        self.now = 0.0
+
+    def at(self, t: float, action: Callable[[float], None]) -> None:
+        heapq.heappush(self.queue, (t, next(self._seq), action))
+
+    def run(self) -> list[TurnResult]:
+        for _ in range(min(self.concurrency, len(self.pending))):
+            self.at(0.0, self._start_session)
+        while True:
+            t_queue = self.queue[0][0] if self.queue else math.inf
+            engine_id, t_engine = min(((e, sim.next_event_time()) for e, (sim, _) in self.engines.items()),
+                                      key=lambda pair: pair[1])
+            if math.isinf(t_queue) and math.isinf(t_engine):
+                if not self.requests:
+                    break
+                self._unblock()
+                continue
+            if t_queue <= t_engine:  # arrivals at an instant join the step that starts then
+                t, _, action = heapq.heappop(self.queue)
+                self.now = t
+                action(t)
+                continue
+            self.now = t_engine
+            for event in self.engines[engine_id][0].advance(t_engine):
+                self._on_event(engine_id, event)
+        return self.results
+
+    def _unblock(self) -> None:
+        """Every engine waits for room that only the broker can free (retained leases): the sidecars' next keep-alive
+        reports the pressure, the broker evicts. Nothing to evict: the fleet cannot serve the workload."""
+        if self.broker is not None:
+            self.broker.sync(self.now)
+        if all(math.isinf(sim.next_event_time()) for sim, _ in self.engines.values()):
+            raise ResourceExhausted(f"fleet: {len(self.requests)} request(s) wait for KV blocks nothing can free")
+
+    # ------------------------------------------------------------------ sessions
+    def _start_session(self, now: float) -> None:
+        if self.pending:
+            self._arrive(self.pending.popleft(), 0, now)
+
+    def _arrive(self, session: SessionTokens, index: int, now: float) -> None:
+        turn = _Turn(session.turn(index), session, now)
+        routed = self.config is not Config.AGGREGATED or len(self.engines) > 1
+        delay = self.profile.router_turn_s if routed else 0.0
+        self.at(now + delay, lambda t: self._route(turn, t))
+
+    def _after_turn(self, turn: _Turn, now: float) -> None:
+        """The session thinks, then sends its next turn, or (after its last) gives its place to the next session."""
+        session, nxt = turn.session, turn.turn.index + 1
+        if nxt < session.conversation.turns:
+            self.at(now + turn.turn.think_s, lambda t: self._arrive(session, nxt, t))
+        else:
+            self.at(now + turn.turn.think_s, self._start_session)
+
+    # ------------------------------------------------------------------ paths
+    def _route(self, turn: _Turn, now: float) -> None:
+        if self.config is Config.AGGREGATED:
+            turn.decode = _by_affinity(self.engines, turn.turn.prompt_keys)
+            self._submit(turn, Stage.DECODE, turn.turn.answer_tokens, 0, now)
+            return
+        assert self.broker is not None
+        t = turn.turn
+        request = PlaceInput(t.prompt_keys, t.prompt_tokens, FINGERPRINT, self.profile.block_size, t.session,
+                             decode_local=self.config is Config.KVLOOP)
+        plan = self.broker.place(request, self.in_flight, now)
+        turn.planned, turn.decode = plan.decision, plan.decode.engine_id
+        if plan.decision is Path.DECODE_LOCAL:
+            self._submit(turn, Stage.DECODE, t.answer_tokens, 0, now)
+            return
+        turn.prefill = plan.prefill.engine_id
+        if plan.decision is Path.TRANSFER:
+            turn.pin = self.broker.pin(turn.prefill, plan, now)
+            turn.known = plan.matched_tokens if turn.pin else 0  # a refused pin: recomputed, as the router does
+        self._submit(turn, Stage.PREFILL, 1, turn.known, now)
+
+    def _submit(self, turn: _Turn, stage: Stage, max_tokens: int, known: int, now: float) -> None:
+        """A request to the stage's engine, which takes it after its API server's own cost."""
+        t = turn.turn
+        engine_id = turn.prefill if stage is Stage.PREFILL else turn.decode
+        request_id = f"{t.session}/{t.index}/{stage.value}"
+        keys = t.prompt_keys if stage is Stage.PREFILL else t.keys
+        request = SimRequest(request_id, t.prompt_tokens, max_tokens, keys, known)
+        self.requests[request_id] = (turn, stage)
+        self.in_flight[engine_id] += 1
+        engine = self.engines[engine_id][0]
+        self.at(now + self.profile.api_request_s, lambda at: engine.submit(request, at))
+
+    def _on_event(self, engine_id: str, event: Event) -> None:
+        turn, stage = self.requests[event.request_id]
+        if event.kind is EventKind.FIRST_TOKEN:
+            if stage is Stage.DECODE:
+                turn.first_token = event.t
+            return
+        assert event.account is not None
+        self.in_flight[engine_id] -= 1
+        del self.requests[event.request_id]
+        if stage is Stage.PREFILL:
+            self._prefilled(turn, event.account, event.t)
+        else:
+            self._answered(turn, event.account, event.t)
+
+    def _prefilled(self, turn: _Turn, account: Account, now: float) -> None:
+        """The prefill engine is done: the pin ends with its pull, and the decode engine gets the prompt."""
+        turn.prefill_account = account
+        if turn.pin and self.broker is not None:
+            nbytes = account.pulled_blocks * self.profile.bytes_per_block
+            self.broker.complete(turn.pin, nbytes, self.profile.pull_seconds(account.pulled_blocks), now)
+        self._submit(turn, Stage.DECODE, turn.turn.answer_tokens, turn.turn.prompt_tokens - 1, now)
+
+    def _answered(self, turn: _Turn, account: Account, now: float) -> None:
+        t, bs = turn.turn, self.profile.block_size
+        computing = turn.prefill_account or account
+        if self.config is Config.AGGREGATED:
+            turn.planned = actual_path(Path.RECOMPUTE, computing)
+        if self.config is Config.KVLOOP and self.broker is not None:
+            reach = retainable_blocks(t.prompt_tokens + account.generated - 1, bs)
+            self.broker.publish(turn.decode, t.session, t.keys[:reach], now)
+        if self.broker is not None:
+            self.held.append((now, self.broker.retained_blocks()))
+        pre = turn.prefill_account
+        self.results.append(TurnResult(
+            t.session, t.index, t.prompt_tokens, turn.arrived, turn.planned, actual_path(turn.planned, computing),
+            turn.first_token, now, account.generated, account.max_gap_s, computing.local_tokens,
+            computing.pulled_tokens, computing.computed_tokens,
+            pre.pulled_blocks * self.profile.bytes_per_block if pre else 0,
+            account.pulled_blocks * self.profile.bytes_per_block if pre else 0, turn.prefill, turn.decode))
+        self._after_turn(turn, now)
+
+
+def _engines(config: Config, fleet: FleetSpec, profile: EngineProfile) -> dict[str, tuple[EngineSim, Role]]:
+    if config is Config.AGGREGATED:
+        if fleet.aggregated_engines < 1:
+            raise ConfigError("fleet.aggregated_engines: at least 1", field="aggregated_engines")
+        return {f"both-{i}": (EngineSim(f"both-{i}", profile), Role.BOTH) for i in range(fleet.aggregated_engines)}
+    if fleet.prefill_engines < 1 or fleet.decode_engines < 1:
+        raise ConfigError("fleet.prefill_engines, decode_engines: at least 1 each", field="prefill_engines")
+    decode_profile = (replace(profile, max_num_batched_tokens=fleet.decode_step_tokens)
+                      if fleet.decode_step_tokens else profile)
+    out = {f"prefill-{i}": (EngineSim(f"prefill-{i}", profile), Role.PREFILL) for i in range(fleet.prefill_engines)}
+    out.update({f"decode-{i}": (EngineSim(f"decode-{i}", decode_profile), Role.DECODE)
+                for i in range(fleet.decode_engines)})
+    return out
+
+
+def _by_affinity(engines: dict[str, tuple[EngineSim, Role]], keys: Sequence[bytes]) -> str:
+    """The engine whose prefix cache holds the longest prefix of ``keys``, then the one with fewest requests."""
+    return min(engines, key=lambda e: (-engines[e][0].cached_prefix_tokens(keys), engines[e][0].requests, e))
+
+
+def simulate(config_name: str, conversations: Sequence[Conversation], fleet: FleetSpec, profile: EngineProfile,
+             concurrency: int, slo: Slo) -> dict[str, Any]:
+    """One configuration at one load point (``concurrency`` sessions at a time): a ``kvloop bench load`` point's
+    figures, marked ``predicted``, with the profile's provenance and the fleet it modelled."""
+    try:
+        config = Config(config_name)
+    except ValueError:
+        raise ConfigError(f"config: {config_name!r} is not one of {[c.value for c in Config]}",
+                          field="config") from None
+    if concurrency < 1:
+        raise ConfigError("concurrency: at least 1 session", field="concurrency")
+    replay = Replay(config, conversations, fleet, profile, concurrency)
+    turns = replay.run()
+    evictions = replay.broker.evictions if replay.broker is not None else Counter()
+    figures = point(turns, slo, replay.held, evictions)
+    figures.update(load=concurrency, concurrency=concurrency, config=config.value,
+                   profile={"name": profile.name, "source": dict(profile.source)},
+                   fleet={e: role.value for e, (_, role) in replay.engines.items()},
+                   engine_steps={e: sim.steps for e, (sim, _) in replay.engines.items()})
+    return figures
