@@ -1,5 +1,6 @@
 """The ``kvloop`` command: ``broker serve|status``, ``up``, ``demo``, ``analyze``, ``router``,
-``model tiny|fingerprint``, ``engine``, ``sidecar``, ``bench broker|broker-scale|engines|multiturn|load|chaos``."""
+``model tiny|fingerprint``, ``engine``, ``sidecar``,
+``bench broker|broker-scale|engines|multiturn|load|chaos|profile``."""
 
 from __future__ import annotations
 
@@ -223,6 +224,12 @@ def _bench_chaos(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
+def _bench_profile(args: argparse.Namespace) -> int:
+    from kvloop.app.benchmarks.profile import main as bench_main
+
+    return bench_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvloop.broker.config import BrokerConfig
     from kvloop.engines.config import EngineConfig
@@ -369,6 +376,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_chaos_arguments(bench_chaos)
     bench_chaos.set_defaults(func=_bench_chaos)
+    bench_profile = bench.add_parser("profile", help="measure one engine (prefill, decode steps, pool) and fit the "
+                                                     "fleet model's profile of it")
+    from kvloop.app.benchmarks.profile import add_arguments as add_profile_arguments
+
+    add_profile_arguments(bench_profile)
+    bench_profile.set_defaults(func=_bench_profile)
     return parser
 
 
