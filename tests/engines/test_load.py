@@ -36,7 +36,8 @@ def test_two_load_points_kvloop_beside_the_aggregated_engine(tiny_model: Path, t
         for p in config["points"]:
             assert p["errors"] == 0 and p["requests"] == SESSIONS[int(p["load"])] * 3, (name, p)
             assert p["ttft_ms"]["n"] == p["requests"] and p["ttft_ms"]["p50"] > 0 and p["ttft_ms"]["p99"] is None
-            assert 0 < p["goodput_rps"] <= p["throughput_rps"] and 0 <= p["slo_attainment"] <= 1
+            # Goodput may be 0 on a slow or contended machine (no request within the SLO): figures, not a speed test.
+            assert 0 <= p["goodput_rps"] <= p["throughput_rps"] and 0 <= p["slo_attainment"] <= 1
             assert set(p["cores_busy"]) == {f"cpu{i}" for i in range(len(p["cores_busy"]))} and p["gap_ms"]["n"]
             assert p["health"]["reason"], (name, p)
             assert p["cpu_s"]["aiperf"] > 0 and p["cpu_s"]["engines_and_rest"] > 0, (name, p["cpu_s"])

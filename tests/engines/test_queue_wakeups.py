@@ -28,14 +28,19 @@ if TYPE_CHECKING:
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 BOUND_S = 1.5
-"""Far under the 5 s of a lost wake-up, with room over the 0.74 s slowest turn measured here on one core."""
+"""A gap between two streamed tokens: far under the 5 s of a lost wake-up (a decode step here is 10-60 ms)."""
+TTFT_BOUND_S = 3.0
+"""A first token: still 2 s under a lost wake-up's 5 s, with room over the compute of the first turns (three
+1,536-token prompts at once on one core: 0.65-0.74 s alone here, 1.86 s once on a CI machine with the chaos run
+beside it)."""
 SHAPE = ProbeShape(sessions=3, turns=10, max_prompt_tokens=3840)
 """Prompts of 1.5k-3.8k tokens and answers of at most 256 within the shared engines' 4096-token context."""
 
 
 def test_concurrent_streams_never_wait_on_a_lost_wake_up(pd_engines: PDEngines) -> None:
     """Three concurrent streamed sessions of growing prompts (32-256 tokens each answer, 0.2-1.5 s between turns)
-    against the decode engine: no time to first token and no gap between two streamed tokens over BOUND_S."""
+    against the decode engine: no time to first token over TTFT_BOUND_S, no gap between two streamed tokens over
+    BOUND_S."""
     decode = pd_engines.decode
     config = decode.plan.config
     assert config.ipc_spin_s < 1  # the cap under test is on (vLLM's own spin is 1 s)
@@ -44,6 +49,6 @@ def test_concurrent_streams_never_wait_on_a_lost_wake_up(pd_engines: PDEngines) 
     requests = asyncio.run(probe(decode.url, pd_engines.model_name, SHAPE))
     figures = summary(requests, BOUND_S)
     print(f"\nqueue wake-ups: {figures}")
-    stalled = [r for r in requests if r.ttft_s > BOUND_S or r.max_gap_s > BOUND_S]
+    stalled = [r for r in requests if r.ttft_s > TTFT_BOUND_S or r.max_gap_s > BOUND_S]
     assert len(requests) == 30 and all(r.tokens > 0 for r in requests)
     assert not stalled, stalled
