@@ -1,6 +1,6 @@
 """The ``kvloop`` command: ``broker serve|status``, ``up``, ``demo``, ``analyze``, ``router``,
 ``model tiny|fingerprint``, ``engine``, ``sidecar``,
-``bench broker|broker-scale|engines|multiturn|load|chaos|profile``."""
+``bench broker|broker-scale|engines|multiturn|load|chaos|profile``, ``plan simulate|compare``."""
 
 from __future__ import annotations
 
@@ -230,6 +230,18 @@ def _bench_profile(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
+def _plan_simulate(args: argparse.Namespace) -> int:
+    from kvloop.app.fleet.cli import simulate_main
+
+    return simulate_main(args)
+
+
+def _plan_compare(args: argparse.Namespace) -> int:
+    from kvloop.app.fleet.cli import compare_main
+
+    return compare_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvloop.broker.config import BrokerConfig
     from kvloop.engines.config import EngineConfig
@@ -382,6 +394,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_profile_arguments(bench_profile)
     bench_profile.set_defaults(func=_bench_profile)
+
+    plan = sub.add_parser("plan", help="the fleet model (docs/fleet-model.md)").add_subparsers(dest="plan_command",
+                                                                                             required=True)
+    from kvloop.app.fleet.cli import add_compare_arguments, add_simulate_arguments
+
+    plan_simulate = plan.add_parser("simulate", help="kvloop bench load's agent run predicted by the fleet model "
+                                                     "from an engine profile (kvloop, one_way, aggregated)")
+    add_simulate_arguments(plan_simulate)
+    plan_simulate.set_defaults(func=_plan_simulate)
+    plan_compare = plan.add_parser("compare", help="a prediction beside a measurement: each figure, its relative "
+                                                   "error and n, per configuration and load point")
+    add_compare_arguments(plan_compare)
+    plan_compare.set_defaults(func=_plan_compare)
     return parser
 
 

@@ -63,6 +63,9 @@ class FleetSpec:
     aggregated_engines: int = 1
     decode_step_tokens: int = DECODE_STEP_TOKENS
     """A decode engine's step budget, as kvloop's engines set it (0: the profile's)."""
+    prefill_pool_blocks: int = 0
+    """A prefill engine's KV pool in blocks, where the fleet sizes it apart from the profiled engine's (0: the
+    profile's): ``kvloop bench load`` gives its prefill engines room for its highest concurrency's longest prompts."""
     broker: BrokerSettings = field(default_factory=BrokerSettings)
 
 
@@ -234,7 +237,10 @@ def _engines(config: Config, fleet: FleetSpec, profile: EngineProfile) -> dict[s
         raise ConfigError("fleet.prefill_engines, decode_engines: at least 1 each", field="prefill_engines")
     decode_profile = (replace(profile, max_num_batched_tokens=fleet.decode_step_tokens)
                       if fleet.decode_step_tokens else profile)
-    out = {f"prefill-{i}": (EngineSim(f"prefill-{i}", profile), Role.PREFILL) for i in range(fleet.prefill_engines)}
+    prefill_profile = (replace(profile, kv_pool_blocks=fleet.prefill_pool_blocks) if fleet.prefill_pool_blocks
+                       else profile)
+    out = {f"prefill-{i}": (EngineSim(f"prefill-{i}", prefill_profile), Role.PREFILL)
+           for i in range(fleet.prefill_engines)}
     out.update({f"decode-{i}": (EngineSim(f"decode-{i}", decode_profile), Role.DECODE)
                 for i in range(fleet.decode_engines)})
     return out
