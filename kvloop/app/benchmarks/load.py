@@ -145,8 +145,11 @@ async def start(name: str, model: Path, work: Path, size: Sizing, timeout_s: flo
                                              size=size, blocks=None, extra=BASELINE_EXTRA)]
 
         cluster = await LocalCluster.start(configs, work, separate_broker=True, broker={"engine_ttl_s": 10.0},
+                                           # Nothing is retained, so there is no publication to wait for
+                                           # (router/recent.py): without this, a turn that follows its answer
+                                           # within publication_wait_s waited for a lease that never comes.
                                            router={"request_timeout_s": timeout_s, "decode_local": False,
-                                                   **routing})
+                                                   "publication_wait_s": 0.0, **routing})
         engines = cluster.engines
     elif name == "aggregated_steps":
         config = engine_config(model, work, Role.BOTH, 0, connector="none", broker="", size=size, blocks=None, extra={},
