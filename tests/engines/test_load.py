@@ -43,6 +43,8 @@ def test_two_load_points_kvloop_beside_the_aggregated_engine(tiny_model: Path, t
             assert p["cpu_s"]["aiperf"] > 0 and p["cpu_s"]["engines_and_rest"] > 0, (name, p["cpu_s"])
         assert "knee_90" in config and "knee_99" in config and config["warmup_s"] > 0, name
     kvloop = data["configs"]["kvloop"]["points"]
+    # The stall check's inputs: the router's records, written without being asked for.
+    assert (tmp_path / "w" / "router-records" / "kvloop.jsonl").stat().st_size > 0
     assert all(sum(p["paths"].values()) == p["requests"] for p in kvloop), kvloop  # the router's own count
     assert all(p["cpu_s"]["bench_and_router"] > 0 for p in kvloop)  # the router runs in the bench's process
     # Each part counted from its own process: kvloop's sidecars and broker are there, the bare engine has none.

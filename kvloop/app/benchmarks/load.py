@@ -33,8 +33,8 @@ highest load with 90% and 99% of requests within the SLO).
 
 Health: a configuration whose point has errors, a request queued over ``STALL_S`` in an engine, or a request
 whose time to first token or largest gap between chunks exceeds what its engine's queue and compute explain by
-more than ``BOUND_S`` (:mod:`kvloop.app.benchmarks.stalls`, from AIPerf's per-request records and, with
-``--router-records``, the router's) is unhealthy there; at its lowest load its time to first token is also held
+more than ``BOUND_S`` (:mod:`kvloop.app.benchmarks.stalls`, from AIPerf's per-request records and the router's, always
+written) is unhealthy there; at its lowest load its time to first token is also held
 against its engines' prefill time as in the multi-turn bench (under load, queueing is what is measured, so the
 factor check applies only where there is none). Ratios against ``aggregated`` are withheld where either side is
 unhealthy. The table counts each point's stalled requests.
@@ -48,6 +48,7 @@ import json
 import math
 import os
 import resource
+import shutil
 import statistics
 import sys
 import time
@@ -382,6 +383,12 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     # Absolute: AIPerf's workers take a relative tokenizer path for a Hugging Face repo id.
     model = (await asyncio.to_thread(ensure_tiny_model, args.model)).absolute()
     work = (args.work_dir or default_work_dir() / "bench-load").absolute()
+    # The stall check needs each turn's engines, computed and pulled tokens and the router's waits: without the
+    # router's records it under-explained turns (a run at 8 sessions: 2 "stalls" without them, 0 with them, the same
+    # requests), so a kvloop configuration always writes them, to the work folder unless asked elsewhere.
+    if args.router_records is None:
+        args.router_records = work / "router-records"
+        shutil.rmtree(args.router_records, ignore_errors=True)  # a former run's records, not this one's
     exe = await asyncio.to_thread(aiperf.ensure, args.aiperf_root or default_work_dir())
     loads = loads_of(args)
     trace_file = None
@@ -493,8 +500,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--work-dir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=None, help="write the figures here (JSON; plot beside it)")
     parser.add_argument("--router-records", type=Path, default=None, help="a folder for each configuration's kvloop "
-                        "router's per-turn records (<config>.jsonl: plan, path, timings; kvloop analyze reads them; "
-                        "the aggregated engine has no router)")
+                        "router's per-turn records (<config>.jsonl: plan, path, timings; kvloop analyze reads them, "
+                        "the stall check needs them; the aggregated engine has no router; default: the work folder's "
+                        "router-records)")
 
 
 def validate(args: argparse.Namespace) -> str:
