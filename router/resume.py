@@ -15,7 +15,7 @@ boundary is cut. Only ``n == 1`` answers are resumed (several choices interleave
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -57,7 +57,10 @@ def set_choice_text(choice: dict[str, Any], text: str) -> None:
 class StreamLedger:
     """What the client has had of one streamed answer, and, after a resume, what of the new stream to drop."""
 
-    delivered_text: str = ""
+    delivered_parts: list[str] = field(default_factory=list)
+    """The text delivered, chunk by chunk: appending to one string copied it whole at every chunk (a 32,000-chunk
+    answer cost 550 ms of the router's CPU in the ledger alone); joined only when a resume needs it."""
+    delivered_chars: int = 0
     delivered_tokens: int = 0
     chunks: int = 0
     skip_text: int = 0
@@ -70,9 +73,15 @@ class StreamLedger:
     def started(self) -> bool:
         return self.chunks > 0
 
+    @property
+    def delivered_text(self) -> str:
+        if len(self.delivered_parts) > 1:
+            self.delivered_parts[:] = ["".join(self.delivered_parts)]
+        return self.delivered_parts[0] if self.delivered_parts else ""
+
     def resume(self) -> None:
         """A new stream begins: drop what was delivered (and the new stream's opening chunks without content)."""
-        self.skip_text, self.skip_tokens, self.replaying = len(self.delivered_text), self.delivered_tokens, True
+        self.skip_text, self.skip_tokens, self.replaying = self.delivered_chars, self.delivered_tokens, True
 
     def relay(self, line: bytes, data: Any) -> bytes | None:
         """The line to send the client (None: drop it), recording what it delivers; ``data``: the line's
@@ -91,7 +100,9 @@ class StreamLedger:
                 return None
             text, ids = cut
             line = b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n"
-        self.delivered_text += text
+        if text:
+            self.delivered_parts.append(text)
+            self.delivered_chars += len(text)
         self.delivered_tokens += len(ids) if ids is not None else 0
         self.chunks += 1
         return line
@@ -113,7 +124,7 @@ class StreamLedger:
             choice["token_ids"] = keep
             set_choice_text(choice, text)
             return text, keep
-        seen = self.delivered_text[len(self.delivered_text) - self.skip_text:]
+        seen = self.delivered_text[self.delivered_chars - self.skip_text:]
         if len(text) <= self.skip_text and not choice.get("finish_reason"):
             if not seen.startswith(text):
                 self.diverged = True
