@@ -281,6 +281,7 @@ class TurnRunner:
         engine retries or resumes it; a stream that cannot be resumed (n > 1) ends the turn with 502."""
         if isinstance(attempt.cause, EngineReplyError):  # a 5xx answer, before any byte of its own
             self.metrics.fallbacks.labels(Fallback.DECODE_RETRY).inc()
+            log.warning("router.decode_failed", engine=attempt.engine.engine_id, error=attempt.error, resume=False)
             return
         if started and not resumable:
             raise TurnError(502, f"the decode engine failed mid-stream ({attempt.error})")
