@@ -89,7 +89,7 @@ class ChatStream:
     def line(self, raw: bytes, data: Any = None) -> bytes:
         """One line of the engine's SSE stream (as aiohttp reads it: a data line, then a blank line), converted;
         comments, blank lines, ``[DONE]`` and error objects as they are. ``data``: the line's JSON when the caller
-        has parsed it already (:func:`.resume.sse_data`), so that a chunk is parsed once."""
+        has parsed it already (:func:`.resume.relayed_data`), so that a chunk is parsed once."""
         if data is None:
             text = raw.decode()
             if not text.startswith("data:") or text[5:].strip() == "[DONE]":

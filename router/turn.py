@@ -51,7 +51,7 @@ from kvloop.router.plan import (
     prefill_request,
 )
 from kvloop.router.records import RecordWriter, turn_record
-from kvloop.router.resume import StreamLedger, sse_data
+from kvloop.router.resume import StreamLedger, relayed_data
 from kvloop.router.tokenizer import RouterTokenizer
 from kvloop.shared.client import plan_attributes, transfer_params
 from kvloop.shared.protocol import SESSION_KEY, PrefillReport, decode_local_params, prefill_only_params
@@ -264,7 +264,7 @@ class TurnRunner:
                     turn.outcome.decode = engine
                     async for line in reply.content:
                         computed()
-                        data = sse_data(line) if resumable or turn.as_tokens else None
+                        data = relayed_data(line) if resumable or turn.as_tokens else None
                         if not resumable:
                             ledger.chunks += 1  # only that the client has had something
                             yield as_chat(line, data)

@@ -30,11 +30,12 @@ def engine_client_connector(limit: int = 256) -> aiohttp.TCPConnector:
 def sse_data(line: bytes | str) -> dict[str, Any] | None:
     """The JSON object of one ``data: {...}`` line of an event stream; None for anything else (comments, blank
     lines, ``data: [DONE]``)."""
-    text = (line.decode() if isinstance(line, bytes) else line).strip()
-    if not text.startswith("data:"):
+    # Bytes are parsed as they come, not decoded first: the router relays every streamed token through here.
+    raw = line.strip() if isinstance(line, bytes) else line.strip().encode()
+    if not raw.startswith(b"data:"):
         return None
-    payload = text[5:].strip()
-    if not payload.startswith("{"):
+    payload = raw[5:].lstrip()
+    if not payload.startswith(b"{"):
         return None
     event: dict[str, Any] = json.loads(payload)
     return event
@@ -83,6 +84,16 @@ def parse_metrics(text: str) -> dict[str, float]:
 def metric_total(samples: dict[str, float], name: str) -> float:
     """The sum of ``name`` over all its label sets."""
     return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
+
+
+def metric_labels(samples: dict[str, float], name: str) -> dict[str, str] | None:
+    """The labels of ``name``'s first sample (an info metric such as vLLM's ``vllm:cache_config_info``); None when
+    there is none."""
+    key = next((k for k in samples if k.startswith(name + "{")), None)
+    if key is None:
+        return None
+    labels = key[key.index("{") + 1: key.rindex("}")]
+    return {label: value.strip('"') for label, _, value in (p.partition("=") for p in labels.split('",'))}
 
 
 def metric_by_label(samples: dict[str, float], name: str, label: str) -> dict[str, float]:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from kvloop.router.chat_tokens import ChatStream, chat_reply, token_request
-from kvloop.router.resume import sse_data
+from kvloop.router.resume import relayed_data
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0,
         "stream": True, "stream_options": {"include_usage": True}, "kv_transfer_params": {"x": 1}}
@@ -69,7 +69,7 @@ def test_a_completion_stream_reads_as_the_chat_stream() -> None:
     assert out.endswith(b": kvloop {}\n\ndata: [DONE]\n\n")  # comments and the end as they came
     error = b'data: {"error": {"message": "boom"}}\n'
     assert ChatStream().line(error) == error
-    # Parsed once by the relay (resume.sse_data): the same bytes as when the stream parses the line itself.
+    # Parsed once by the relay (resume.relayed_data): the same bytes as when the stream parses the line itself.
     again = ChatStream()
     lines = [sse({**chunk, "choices": [{"index": 0, "text": t, "finish_reason": None}]}) for t in "ok"]
-    assert [again.line(x, sse_data(x)) for x in lines] == [ChatStream().line(lines[0]), stream.line(lines[1])]
+    assert [again.line(x, relayed_data(x)) for x in lines] == [ChatStream().line(lines[0]), stream.line(lines[1])]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvloop.router.resume import StreamLedger, sse_data
+from kvloop.router.resume import StreamLedger, relayed_data
 
 
 def chat(content: str | None, *, role: bool = False, finish: str | None = None) -> bytes:
@@ -28,7 +28,7 @@ def client_text(lines: list[bytes]) -> str:
 
 
 def relay_all(ledger: StreamLedger, lines: list[bytes]) -> list[bytes]:
-    return [out for line in lines if (out := ledger.relay(line, sse_data(line))) is not None]
+    return [out for line in lines if (out := ledger.relay(line, relayed_data(line))) is not None]
 
 
 def test_a_chat_stream_resumed_by_text_is_delivered_once() -> None:
@@ -74,5 +74,5 @@ def test_a_divergent_replay_is_flagged_and_relayed_from_the_cut() -> None:
 def test_usage_and_error_chunks_pass_as_they_are() -> None:
     ledger = StreamLedger()
     usage = b'data: {"choices":[],"usage":{"prompt_tokens":3}}'
-    assert ledger.relay(usage, sse_data(usage)) == usage and ledger.relay(b"\n", sse_data(b"\n")) == b"\n"
-    assert not ledger.started and sse_data(b"data: [DONE]") is None and sse_data(b"data: {bad") is None
+    assert ledger.relay(usage, relayed_data(usage)) == usage and ledger.relay(b"\n", relayed_data(b"\n")) == b"\n"
+    assert not ledger.started and relayed_data(b"data: [DONE]") is None and relayed_data(b"data: {bad") is None
