@@ -23,7 +23,7 @@ from kvloop.router.config import RouterConfig
 from kvloop.router.server import RunningRouter, start_router
 from kvloop.shared import procs
 from kvloop.shared.client import BrokerClient
-from kvloop.shared.http import metric_total, read_metrics
+from kvloop.shared.http import metric_labels, metric_total, read_metrics
 from kvloop.shared.vocabulary import Role
 from kvloop.v1 import broker_pb2 as pb
 
@@ -180,8 +180,7 @@ class ChaosCluster:
     def engine_blocks(self, engine_id: str) -> tuple[int, int]:
         """(blocks allocated now, blocks in all) of an engine, from vLLM's own metrics."""
         samples = read_metrics(self.engines[engine_id].plan.url, timeout_s=10.0)
-        total = next((int(float(k.split('num_gpu_blocks="')[1].split('"')[0])) for k in samples
-                      if k.startswith("vllm:cache_config_info") and 'num_gpu_blocks="' in k), 0)
+        total = int(float((metric_labels(samples, "vllm:cache_config_info") or {}).get("num_gpu_blocks", 0)))
         return round(metric_total(samples, "vllm:kv_cache_usage_perc") * total), total
 
     def engine_requests(self, engine_id: str) -> dict[str, float]:

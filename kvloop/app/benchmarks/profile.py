@@ -61,7 +61,7 @@ from kvloop.engines.layout import resolved_dtype
 from kvloop.router.records import TurnRecord
 from kvloop.shared.engine_model import EngineProfile, dump_profile
 from kvloop.shared.errors import ConfigError
-from kvloop.shared.http import aiter_sse, engine_client_connector, read_metrics
+from kvloop.shared.http import aiter_sse, engine_client_connector, metric_labels, read_metrics
 from kvloop.shared.paths import checkout_root
 from kvloop.shared.vocabulary import Path as TurnPath
 from kvloop.shared.vocabulary import Role
@@ -159,11 +159,10 @@ def kv_bytes_per_block(model_dir: Path, dtype: str, block_size: int) -> tuple[in
 
 def cache_config(url: str) -> dict[str, str]:
     """The labels of vLLM's ``vllm:cache_config_info`` on the engine's ``/metrics``."""
-    key = next((k for k in read_metrics(url, timeout_s=30.0) if k.startswith("vllm:cache_config_info{")), None)
-    if key is None:
+    labels = metric_labels(read_metrics(url, timeout_s=30.0), "vllm:cache_config_info")
+    if labels is None:
         raise RuntimeError(f"{url}/metrics has no vllm:cache_config_info")
-    labels = key[key.index("{") + 1: key.rindex("}")]
-    return {name: value.strip('"') for name, _, value in (p.partition("=") for p in labels.split('",'))}
+    return labels
 
 
 def read_engine_facts(url: str, *, model_dir: Path, dtype: str, step_tokens: int, max_num_seqs: int,
