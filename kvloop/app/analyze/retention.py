@@ -12,6 +12,7 @@ and the answer the way a decode engine's does.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -93,15 +94,21 @@ def block_size_of(records: Sequence[TurnRecord]) -> int:
     return sizes.pop() if sizes else 0
 
 
+def replay_state(eviction_policy: str, policy: PlacementPolicy) -> BrokerState:
+    """The broker's core for a replay: engines never expire (the replay reports no keep-alive period), any TTL is
+    allowed, prompts of any length; lease ids in order, so the same replay gives the same ids."""
+    limits = Limits(engine_ttl_s=float("inf"), min_ttl_s=0.001, max_block_keys=1 << 20)
+    ids = itertools.count()
+    return BrokerState(make_policy(eviction_policy), policy, limits, new_id=lambda: f"l{next(ids)}")
+
+
 def replay(records: Sequence[TurnRecord], setting: Setting, fleet: Fleet) -> Replay:
     bs = block_size_of(records)
-    limits = Limits(engine_ttl_s=float("inf"), min_ttl_s=0.001, max_block_keys=1 << 20)
     policy = PlacementPolicy(pd_hop_s=fleet.pd_hop_s, decode_local=fleet.decode_local,
                              default_prefill_tokens_per_s=fleet.prefill_tokens_per_s,
                              default_bandwidth_bytes_per_s=fleet.bandwidth_bytes_per_s,
                              default_bytes_per_block=fleet.bytes_per_block)
-    ids = iter(range(1 << 62))
-    state = BrokerState(make_policy(fleet.eviction_policy), policy, limits, new_id=lambda: f"l{next(ids)}")
+    state = replay_state(fleet.eviction_policy, policy)
     engines = [(f"decode-{i}", Role.DECODE, setting.budget_blocks) for i in range(fleet.decode_engines)]
     engines += [(f"prefill-{i}", Role.PREFILL, 0) for i in range(fleet.prefill_engines)]
     running: Counter[str] = Counter()

@@ -6,23 +6,19 @@ a pull, and eviction commands carried out on the engines. Time is an argument, a
 
 from __future__ import annotations
 
-import itertools
-import math
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from kvloop.app.analyze.retention import replay_state
 from kvloop.app.fleet.sessions import FINGERPRINT
 from kvloop.broker.core import (
     Addresses,
-    BrokerState,
     EngineInfo,
     EngineLoad,
-    Limits,
     PlaceInput,
     PlacementPolicy,
     Plan,
-    make_policy,
 )
 from kvloop.shared.engine_model import EngineSim
 from kvloop.shared.errors import KvloopError, ResourceExhausted
@@ -51,10 +47,7 @@ def prefill_rate(engine: EngineSim) -> float:
 
 class BrokerSide:
     def __init__(self, engines: Mapping[str, tuple[EngineSim, Role]], settings: BrokerSettings, now: float) -> None:
-        limits = Limits(engine_ttl_s=math.inf, min_ttl_s=0.001, max_block_keys=1 << 20)
-        ids = itertools.count()
-        self.state = BrokerState(make_policy(settings.eviction_policy), settings.policy, limits,
-                                 new_id=lambda: f"l{next(ids)}")
+        self.state = replay_state(settings.eviction_policy, settings.policy)
         self.engines = engines
         self.settings = settings
         self.block_ids: dict[str, dict[bytes, int]] = {e: {} for e in engines}
