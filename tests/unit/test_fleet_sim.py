@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 from kvloop.app.benchmarks.aiperf import Slo
 from kvloop.app.benchmarks.workload import AgentSpec, Conversation, agent
 from kvloop.app.fleet.broker import BrokerSettings
-from kvloop.app.fleet.sim import Config, FleetSpec, Replay, simulate
-from kvloop.shared.engine_model import FIGURE_GROUPS, EngineProfile
+from kvloop.app.fleet.figures import TurnResult
+from kvloop.app.fleet.sim import Config, FleetSpec, Replay, build_fleet, simulate, simulate_points
+from kvloop.shared.engine_model import FIGURE_GROUPS, EngineProfile, HostSpec
 from kvloop.shared.errors import ConfigError
 from kvloop.shared.vocabulary import Path
 
@@ -45,12 +46,18 @@ def small_agent(sessions: int = 6, seed: int = 3) -> list[Conversation]:
                            answer_max=64, seed=seed))
 
 
+def replay(config: Config, conversations: list[Conversation], fleet: FleetSpec, profile: EngineProfile,
+           concurrency: int) -> list[TurnResult]:
+    """One point on a fresh fleet, turn by turn."""
+    return Replay(config, conversations, build_fleet(config, fleet, profile), fleet, profile, concurrency).run()
+
+
 def test_turns_after_the_first_reuse_what_the_decode_engine_retained() -> None:
     """Short tails: the broker keeps the session on its decode engine (DECODE_LOCAL); a long tail goes to a prefill
     engine, which pulls the history from the decode engine's lease (TRANSFER). Each turn runs the path the core
     planned, by the engines' own accounts."""
     conv = session("s", [50, 40, 30, 1500, 30], [20, 20, 20, 20, 20])
-    turns = Replay(Config.KVLOOP, [conv], FleetSpec(), FAKE_PROFILE, 1).run()
+    turns = replay(Config.KVLOOP, [conv], FleetSpec(), FAKE_PROFILE, 1)
     assert [t.index for t in turns] == [0, 1, 2, 3, 4]
     assert [t.planned for t in turns] == [Path.RECOMPUTE, Path.DECODE_LOCAL, Path.DECODE_LOCAL, Path.TRANSFER,
                                           Path.DECODE_LOCAL]
@@ -88,7 +95,7 @@ def test_one_way_never_reuses_a_decode_engines_kv() -> None:
 def test_every_turn_finishes_once_with_its_answer(config: Config, concurrency: int, seed: int) -> None:
     conversations = small_agent(sessions=5, seed=seed)
     fleet = FleetSpec(aggregated_engines=2 if seed % 2 else 1, prefill_engines=1 + seed % 2)
-    turns = Replay(config, conversations, fleet, FAKE_PROFILE, concurrency).run()
+    turns = replay(config, conversations, fleet, FAKE_PROFILE, concurrency)
     expected = {(c.conversation_id, i): c.answer_tokens[i] for c in conversations for i in range(c.turns)}
     assert {(t.session, t.index): t.generated for t in turns} == expected
     for t in turns:
@@ -111,7 +118,7 @@ def test_a_lone_turn_at_light_load_takes_the_closed_form_time() -> None:
     prompt = 400
     prefill = p.step_seconds(prompt, prompt * prompt / 2, 0, 0)
     assert point["ttft_ms"]["n"] == 1
-    (turn,) = Replay(Config.AGGREGATED, [conv], FleetSpec(), p, 1).run()
+    (turn,) = replay(Config.AGGREGATED, [conv], FleetSpec(), p, 1)
     assert turn.ttft_s == pytest.approx(p.api_request_s + prefill)
     decode = sum(p.step_seconds(0, 0, 1, prompt + g) for g in range(1, 10))
     assert turn.itl_s == pytest.approx(decode / 9)
@@ -142,3 +149,29 @@ def test_a_point_has_the_load_benchs_shape_and_says_it_is_predicted() -> None:
 def test_an_unknown_configuration_is_refused() -> None:
     with pytest.raises(ConfigError, match="kvloop_dp"):
         simulate("kvloop_dp", small_agent(), FleetSpec(), FAKE_PROFILE, 1, SLO)
+
+
+@pytest.mark.parametrize("config", ["kvloop", "one_way", "aggregated"])
+def test_a_sweeps_next_point_finds_what_the_last_one_left(config: str) -> None:
+    """The second point runs on the engines the first left (their caches, the broker's leases), as the load bench's
+    points do: its shared system prompt is cached, where a fresh fleet computes it again."""
+    conversations = small_agent(sessions=4, seed=9)
+    first, second = simulate_points(config, [(conversations, 2), (conversations, 2)], FleetSpec(), FAKE_PROFILE,
+                                    SLO)
+    fresh = simulate(config, conversations, FleetSpec(), FAKE_PROFILE, 2, SLO)
+    assert first == fresh
+    assert second["tokens"]["computed"] < fresh["tokens"]["computed"]
+    assert second["requests"] == fresh["requests"]
+
+
+def test_a_shared_host_slows_every_step() -> None:
+    """Busy engines sharing their two cores with a client that takes most of one: the same replay decodes slower
+    (background work the engines' idle time cannot hold takes a share of their steps)."""
+    slow = dataclasses.replace(FAKE_PROFILE, prefill_token_s=1e-3, decode_stream_s=5e-3)
+    conversations = small_agent(sessions=4, seed=9)
+    own = simulate("kvloop", conversations, FleetSpec(prefill_engines=1), slow, 4, SLO)
+    shared = FleetSpec(prefill_engines=1, host=HostSpec(cores=2, client_cores=1.5, engine_request_cpu_s=0.05,
+                                                        turn_cpu_s=0.05, source="fake: the fleet tests' host"))
+    slowed = simulate("kvloop", conversations, shared, slow, 4, SLO)
+    assert slowed["itl_ms"]["p50"] > own["itl_ms"]["p50"] * 1.05
+    assert slowed["host"]["source"] == "fake: the fleet tests' host" and "host" not in own

@@ -26,8 +26,8 @@ from kvloop.app.benchmarks.multiturn import BLOCK
 from kvloop.app.benchmarks.stats import markdown_table, show
 from kvloop.app.fleet.agent_load import agent_conversations
 from kvloop.app.fleet.compare import compare_runs, compare_table
-from kvloop.app.fleet.sim import Config, FleetSpec, simulate
-from kvloop.shared.engine_model import EngineProfile, load_profile, profile_to_dict
+from kvloop.app.fleet.sim import Config, FleetSpec, simulate_points
+from kvloop.shared.engine_model import EngineProfile, HostSpec, load_profile, profile_to_dict
 from kvloop.shared.errors import ConfigError, ResourceExhausted
 
 CONFIGS = tuple(c.value for c in Config)
@@ -39,11 +39,13 @@ HELP = {"loads": "concurrent sessions per point (whole numbers, increasing), as 
 NOT_MIRRORED = (
     "chat template tokens (role headers, end-of-turn markers) are not in the prompts",
     "an answer's tokens are the next prompt's exactly (the engine re-tokenizes the answer's text)",
-    "each point starts on empty engines (the load bench's points follow one another on the same engines, after a "
-    "warm-up)",
-    "each modelled engine has the profiled engine's core to itself (the load bench's prefill engines share a core, its "
-    "aggregated engine has every core, AIPerf and the router run on the same cores)",
+    "the warm-up before a configuration's first point (it pays first-use costs the model does not have)",
+    "each modelled engine computes at the profiled engine's speed on one core (the load bench's aggregated engine "
+    "has every core, its prefill engines share one)",
 )
+"""What the prediction leaves out. Modelled since b78629f: the points follow one another on the same engines, and
+with ``--host-cores`` the CPU that AIPerf, the router, the API servers, the sidecars and the broker take from the
+engines' cores."""
 
 
 def load_bench_parser() -> argparse.ArgumentParser:
@@ -68,6 +70,19 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     mirror_load_flags(parser, MIRRORED)
     parser.add_argument("--decode-engines", type=int, default=FleetSpec().decode_engines,
                         help="decode engines of each P/D configuration (the load bench starts one)")
+    host = HostSpec()
+    parser.add_argument("--host-cores", type=int, default=host.cores,
+                        help="CPU engines: the cores they share with the client, router and the rest (0: engines on "
+                             "hardware of their own, as GPUs)")
+    parser.add_argument("--host-client-cores", type=float, default=host.client_cores,
+                        help="the load generator's constant share of the host, in cores (AIPerf polls)")
+    parser.add_argument("--host-engine-request-cpu-s", type=float, default=host.engine_request_cpu_s,
+                        help="CPU seconds an engine's API server and EngineCore spend per request beside its steps")
+    parser.add_argument("--host-turn-cpu-s", type=float, default=host.turn_cpu_s,
+                        help="CPU seconds of the router, sidecars and broker per routed turn")
+    parser.add_argument("--host-source", default="",
+                        help="where the --host-* figures came from (required with --host-cores; begins 'measured "
+                             "here:' or 'public:')")
     parser.add_argument("--out", type=Path, default=None, help="write the prediction here (JSON)")
 
 
@@ -83,7 +98,19 @@ def validate_simulate(args: argparse.Namespace) -> str:
         return problem
     if args.decode_engines < 1:
         return "--decode-engines: at least 1"
+    try:
+        host_spec(args)
+    except ConfigError as exc:
+        return f"--host-{(exc.field or 'cores').replace('_', '-')}: {exc}"
+    if args.host_cores and not args.host_source.startswith(("measured here:", "public:")):
+        return "--host-source: say where the --host-* figures came from ('measured here: ...' or 'public: ...')"
     return ""
+
+
+def host_spec(args: argparse.Namespace) -> HostSpec:
+    return HostSpec(cores=args.host_cores, client_cores=args.host_client_cores,
+                    engine_request_cpu_s=args.host_engine_request_cpu_s, turn_cpu_s=args.host_turn_cpu_s,
+                    source=args.host_source)
 
 
 def agent_load(args: argparse.Namespace, value: float) -> AgentLoad:
@@ -99,19 +126,18 @@ def fleet_for(args: argparse.Namespace, loads: list[float], profile: EngineProfi
     size = load_bench.sizing(agent_load(args, highest).history_tokens(), int(highest))
     prefill_blocks = math.ceil(size.prefill_blocks * BLOCK / profile.block_size)
     fleet = FleetSpec(prefill_engines=args.prefill_engines, decode_engines=args.decode_engines,
-                      prefill_pool_blocks=prefill_blocks)
+                      prefill_pool_blocks=prefill_blocks, host=host_spec(args))
     return fleet, {**size.notes, "prefill_pool_blocks": prefill_blocks, "block_size": profile.block_size}
 
 
 def simulate_config(name: str, args: argparse.Namespace, loads: list[float], fleet: FleetSpec,
                     profile: EngineProfile, slo: Slo) -> dict[str, Any]:
-    """One configuration over the load points, each on fresh engines, with the load bench's knees."""
-    points = []
-    for value in loads:
-        load = agent_load(args, value)
-        point = simulate(name, agent_conversations(load), fleet, profile, int(value), slo)
-        point.update(load=value, sessions=load.sessions)
-        points.append(point)
+    """One configuration over the load points, one after another on the same fleet as the load bench runs them,
+    with the load bench's knees."""
+    sweep = [(agent_conversations(agent_load(args, value)), int(value)) for value in loads]
+    points = simulate_points(name, sweep, fleet, profile, slo)
+    for value, point in zip(loads, points, strict=True):
+        point.update(load=value, sessions=agent_load(args, value).sessions)
         print(f"   {name} @ {value:g}: {point['requests']} requests, predicted goodput {point['goodput_rps']:.2f}/s, "
               f"{point['slo_attainment']:.0%} in SLO, TTFT p50 {show(point['ttft_ms'], 'p50')} ms", flush=True)
     by_load = {p["load"]: p for p in points}
@@ -138,7 +164,7 @@ def run_simulation(args: argparse.Namespace, profile: EngineProfile) -> dict[str
             "slo": asdict(slo), "loads": loads, "sizing": sizing,
             "fleet": {"prefill_engines": fleet.prefill_engines, "decode_engines": fleet.decode_engines,
                       "aggregated_engines": fleet.aggregated_engines, "decode_step_tokens": fleet.decode_step_tokens,
-                      "prefill_pool_blocks": fleet.prefill_pool_blocks}}
+                      "prefill_pool_blocks": fleet.prefill_pool_blocks, "host": asdict(fleet.host)}}
 
 
 def predicted_table(configs: dict[str, Any]) -> str:

@@ -42,6 +42,8 @@ class SessionTokens:
 
     conversation: Conversation
     block_size: int
+    salt: str = ""
+    """Draws this replay's answers apart from another's of the same sessions (a sweep's next point samples anew)."""
     tokens: list[int] = field(default_factory=list)
     keys: list[bytes] = field(default_factory=list)
     _digest: bytes = field(default=EXTRA.digest(), repr=False)
@@ -54,7 +56,7 @@ class SessionTokens:
         self.tokens += conv.new_tokens[index]
         prompt = len(self.tokens)
         answer = conv.answer(index, 1)
-        self.tokens += _answer_ids(conv.conversation_id, index, answer)
+        self.tokens += _answer_ids(f"{self.salt}{conv.conversation_id}", index, answer)
         self._extend_keys()
         prompt_keys = tuple(self.keys[: prompt // self.block_size])
         return Turn(conv.conversation_id, index, prompt, answer, conv.think(index, 0.0), prompt_keys,

@@ -18,6 +18,11 @@ Configurations (named as ``kvloop bench load`` names them):
 Sessions are closed-loop as the load bench drives them: ``concurrency`` sessions at a time, each sending its
 turns one after another, with its think time after each answer; a session holds its place until its last think
 ends, then the next session starts.
+
+A sweep's points follow one another on the same fleet (:func:`simulate_points`), as the load bench runs them on the
+same engines and broker: what one point leaves cached or retained, the next finds. On a host whose cores the engines
+share (``FleetSpec.host``, CPU engines), every request and routed turn charges the host its CPU beside the engines'
+steps (:mod:`kvloop.shared.engine_model.host`).
 """
 
 from __future__ import annotations
@@ -38,7 +43,16 @@ from kvloop.app.fleet.figures import TurnResult, actual_path, point
 from kvloop.app.fleet.sessions import FINGERPRINT, SessionTokens, Turn
 from kvloop.broker.core import PlaceInput
 from kvloop.engines.config import DECODE_STEP_TOKENS
-from kvloop.shared.engine_model import Account, EngineProfile, EngineSim, Event, EventKind, SimRequest
+from kvloop.shared.engine_model import (
+    Account,
+    EngineProfile,
+    EngineSim,
+    Event,
+    EventKind,
+    HostShare,
+    HostSpec,
+    SimRequest,
+)
 from kvloop.shared.errors import ConfigError, ResourceExhausted
 from kvloop.shared.protocol import retainable_blocks
 from kvloop.shared.vocabulary import Path, Role
@@ -67,6 +81,28 @@ class FleetSpec:
     """A prefill engine's KV pool in blocks, where the fleet sizes it apart from the profiled engine's (0: the
     profile's): ``kvloop bench load`` gives its prefill engines room for its highest concurrency's longest prompts."""
     broker: BrokerSettings = field(default_factory=BrokerSettings)
+    host: HostSpec = field(default_factory=HostSpec)
+    """The cores the engines share with everything beside them (CPU engines); the default: their own hardware."""
+
+
+@dataclass(slots=True)
+class FleetState:
+    """What outlives a load point: the engines (their caches and leases), the broker, the host's load."""
+
+    engines: dict[str, tuple[EngineSim, Role]]
+    broker: BrokerSide | None
+    host: HostShare | None
+    now: float = 0.0
+
+
+def build_fleet(config: Config, fleet: FleetSpec, profile: EngineProfile) -> FleetState:
+    host = None
+    if fleet.host.shared:
+        # Each engine computes on one core, as the profiled engine did.
+        host = HostShare(fleet.host, dict.fromkeys(_engine_ids(config, fleet), 1.0))
+    engines = _engines(config, fleet, profile, host)
+    broker = None if config is Config.AGGREGATED else BrokerSide(engines, fleet.broker, 0.0)
+    return FleetState(engines, broker, host)
 
 
 @dataclass(slots=True)
@@ -86,27 +122,26 @@ class _Turn:
 class Replay:
     """One configuration's replay of one load point. ``run()`` returns its turns, in the order they finished."""
 
-    def __init__(self, config: Config, conversations: Sequence[Conversation], fleet: FleetSpec,
-                 profile: EngineProfile, concurrency: int) -> None:
+    def __init__(self, config: Config, conversations: Sequence[Conversation], state: FleetState, fleet: FleetSpec,
+                 profile: EngineProfile, concurrency: int, salt: str = "") -> None:
         self.config, self.profile, self.fleet = config, profile, fleet
-        self.engines = _engines(config, fleet, profile)
-        self.broker = None if config is Config.AGGREGATED else BrokerSide(self.engines, fleet.broker, 0.0)
-        self.pending: deque[SessionTokens] = deque(SessionTokens(c, profile.block_size) for c in conversations)
+        self.engines, self.broker, self.host = state.engines, state.broker, state.host
+        self.pending: deque[SessionTokens] = deque(SessionTokens(c, profile.block_size, salt) for c in conversations)
         self.concurrency = concurrency
         self.queue: list[tuple[float, int, Callable[[float], None]]] = []
         self._seq = itertools.count()
         self.requests: dict[str, tuple[_Turn, Stage]] = {}
         self.in_flight: Counter[str] = Counter()
         self.results: list[TurnResult] = []
-        self.held: list[tuple[float, int]] = [(0.0, 0)]
-        self.now = 0.0
+        self.now = state.now
+        self.held: list[tuple[float, int]] = [(self.now, self.broker.retained_blocks() if self.broker else 0)]
 
     def at(self, t: float, action: Callable[[float], None]) -> None:
         heapq.heappush(self.queue, (t, next(self._seq), action))
 
     def run(self) -> list[TurnResult]:
         for _ in range(min(self.concurrency, len(self.pending))):
-            self.at(0.0, self._start_session)
+            self.at(self.now, self._start_session)
         while True:
             t_queue = self.queue[0][0] if self.queue else math.inf
             engine_id, t_engine = min(((e, sim.next_event_time()) for e, (sim, _) in self.engines.items()),
@@ -143,6 +178,8 @@ class Replay:
         turn = _Turn(session.turn(index), session, now)
         routed = self.config is not Config.AGGREGATED or len(self.engines) > 1
         delay = self.profile.router_turn_s if routed else 0.0
+        if routed:
+            self._charge(now, self.fleet.host.turn_cpu_s)
         self.at(now + delay, lambda t: self._route(turn, t))
 
     def _after_turn(self, turn: _Turn, now: float) -> None:
@@ -184,7 +221,12 @@ class Replay:
         self.requests[request_id] = (turn, stage)
         self.in_flight[engine_id] += 1
         engine = self.engines[engine_id][0]
+        self._charge(now, self.fleet.host.engine_request_cpu_s)
         self.at(now + self.profile.api_request_s, lambda at: engine.submit(request, at))
+
+    def _charge(self, now: float, cpu_s: float) -> None:
+        if self.host is not None and cpu_s > 0:
+            self.host.charge(now, cpu_s)
 
     def _on_event(self, engine_id: str, event: Event) -> None:
         turn, stage = self.requests[event.request_id]
@@ -228,22 +270,27 @@ class Replay:
         self._after_turn(turn, now)
 
 
-def _engines(config: Config, fleet: FleetSpec, profile: EngineProfile) -> dict[str, tuple[EngineSim, Role]]:
+def _engine_ids(config: Config, fleet: FleetSpec) -> list[str]:
     if config is Config.AGGREGATED:
         if fleet.aggregated_engines < 1:
             raise ConfigError("fleet.aggregated_engines: at least 1", field="aggregated_engines")
-        return {f"both-{i}": (EngineSim(f"both-{i}", profile), Role.BOTH) for i in range(fleet.aggregated_engines)}
+        return [f"both-{i}" for i in range(fleet.aggregated_engines)]
     if fleet.prefill_engines < 1 or fleet.decode_engines < 1:
         raise ConfigError("fleet.prefill_engines, decode_engines: at least 1 each", field="prefill_engines")
+    return [f"prefill-{i}" for i in range(fleet.prefill_engines)] + [f"decode-{i}" for i in range(fleet.decode_engines)]
+
+
+def _engines(config: Config, fleet: FleetSpec, profile: EngineProfile,
+             host: HostShare | None) -> dict[str, tuple[EngineSim, Role]]:
+    ids = _engine_ids(config, fleet)
+    if config is Config.AGGREGATED:
+        return {e: (EngineSim(e, profile, host), Role.BOTH) for e in ids}
     decode_profile = (replace(profile, max_num_batched_tokens=fleet.decode_step_tokens)
                       if fleet.decode_step_tokens else profile)
     prefill_profile = (replace(profile, kv_pool_blocks=fleet.prefill_pool_blocks) if fleet.prefill_pool_blocks
                        else profile)
-    out = {f"prefill-{i}": (EngineSim(f"prefill-{i}", prefill_profile), Role.PREFILL)
-           for i in range(fleet.prefill_engines)}
-    out.update({f"decode-{i}": (EngineSim(f"decode-{i}", decode_profile), Role.DECODE)
-                for i in range(fleet.decode_engines)})
-    return out
+    return {e: (EngineSim(e, prefill_profile, host), Role.PREFILL) if e.startswith("prefill-")
+            else (EngineSim(e, decode_profile, host), Role.DECODE) for e in ids}
 
 
 def _by_affinity(engines: dict[str, tuple[EngineSim, Role]], keys: Sequence[bytes]) -> str:
@@ -251,23 +298,49 @@ def _by_affinity(engines: dict[str, tuple[EngineSim, Role]], keys: Sequence[byte
     return min(engines, key=lambda e: (-engines[e][0].cached_prefix_tokens(keys), engines[e][0].requests, e))
 
 
+def config_of(name: str) -> Config:
+    try:
+        return Config(name)
+    except ValueError:
+        raise ConfigError(f"config: {name!r} is not one of {[c.value for c in Config]}", field="config") from None
+
+
+def simulate_points(config_name: str, points: Sequence[tuple[Sequence[Conversation], int]], fleet: FleetSpec,
+                    profile: EngineProfile, slo: Slo) -> list[dict[str, Any]]:
+    """A sweep: each point's conversations at its concurrency, one after another on the same fleet (what a point
+    leaves cached or retained, the next finds; the sessions' answers differ from point to point, as sampled answers
+    do). Each point's figures as :func:`simulate` gives them."""
+    config = config_of(config_name)
+    state = build_fleet(config, fleet, profile)
+    return [_run_point(config, conversations, state, fleet, profile, concurrency, slo, salt=f"point-{i}")
+            for i, (conversations, concurrency) in enumerate(points)]
+
+
 def simulate(config_name: str, conversations: Sequence[Conversation], fleet: FleetSpec, profile: EngineProfile,
              concurrency: int, slo: Slo) -> dict[str, Any]:
-    """One configuration at one load point (``concurrency`` sessions at a time): a ``kvloop bench load`` point's
-    figures, marked ``predicted``, with the profile's provenance and the fleet it modelled."""
-    try:
-        config = Config(config_name)
-    except ValueError:
-        raise ConfigError(f"config: {config_name!r} is not one of {[c.value for c in Config]}",
-                          field="config") from None
+    """One configuration at one load point (``concurrency`` sessions at a time) on a fresh fleet: a ``kvloop bench
+    load`` point's figures, marked ``predicted``, with the profile's provenance and the fleet it modelled."""
+    config = config_of(config_name)
+    return _run_point(config, conversations, build_fleet(config, fleet, profile), fleet, profile, concurrency, slo)
+
+
+def _run_point(config: Config, conversations: Sequence[Conversation], state: FleetState, fleet: FleetSpec,
+               profile: EngineProfile, concurrency: int, slo: Slo, salt: str = "") -> dict[str, Any]:
     if concurrency < 1:
         raise ConfigError("concurrency: at least 1 session", field="concurrency")
-    replay = Replay(config, conversations, fleet, profile, concurrency)
+    steps_before = {e: sim.steps for e, (sim, _) in state.engines.items()}
+    evictions_before = Counter(state.broker.evictions) if state.broker is not None else Counter()
+    replay = Replay(config, conversations, state, fleet, profile, concurrency, salt)
     turns = replay.run()
-    evictions = replay.broker.evictions if replay.broker is not None else Counter()
+    state.now = replay.now
+    evictions = (state.broker.evictions - evictions_before) if state.broker is not None else Counter()
     figures = point(turns, slo, replay.held, evictions)
     figures.update(load=concurrency, concurrency=concurrency, config=config.value,
                    profile={"name": profile.name, "source": dict(profile.source)},
-                   fleet={e: role.value for e, (_, role) in replay.engines.items()},
-                   engine_steps={e: sim.steps for e, (sim, _) in replay.engines.items()})
+                   fleet={e: role.value for e, (_, role) in state.engines.items()},
+                   engine_steps={e: sim.steps - steps_before[e] for e, (sim, _) in state.engines.items()})
+    if fleet.host.shared:
+        figures["host"] = {"cores": fleet.host.cores, "client_cores": fleet.host.client_cores,
+                           "engine_request_cpu_s": fleet.host.engine_request_cpu_s,
+                           "turn_cpu_s": fleet.host.turn_cpu_s, "source": fleet.host.source}
     return figures

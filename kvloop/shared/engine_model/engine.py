@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
+from kvloop.shared.engine_model.host import HostShare
 from kvloop.shared.engine_model.pool import BlockPool
 from kvloop.shared.engine_model.profile import EngineProfile
 from kvloop.shared.errors import ConfigError, ResourceExhausted
@@ -113,9 +114,11 @@ class _Step:
 class EngineSim:
     """One engine: ``submit`` requests, ask ``next_event_time``, ``advance`` to a time and read the events."""
 
-    def __init__(self, engine_id: str, profile: EngineProfile) -> None:
+    def __init__(self, engine_id: str, profile: EngineProfile, host: HostShare | None = None) -> None:
         self.engine_id = engine_id
         self.profile = profile
+        self.host = host
+        """The cores it shares with what runs beside it (a CPU engine), which stretch its steps; None: its own."""
         self.pool = BlockPool(profile.kv_pool_blocks)
         self.waiting: deque[_Run] = deque()
         self.running: list[_Run] = []
@@ -200,6 +203,8 @@ class EngineSim:
         prefill = sum(n for _, n in chunks)
         pairs = sum(n * (run.done + n / 2) for run, n in chunks)  # each token attends to its position, on average
         seconds = self.profile.step_seconds(prefill, pairs, len(decodes), sum(r.context for r in decodes))
+        if self.host is not None:
+            seconds = self.host.step(self.engine_id, now, seconds)
         step = _Step(now, now + seconds, decodes, tuple(chunks))
         self.steps += 1
         self.max_step_tokens = max(self.max_step_tokens, step.tokens)
