@@ -170,3 +170,17 @@ def test_router_records_name_each_requests_engines_and_computed_tokens() -> None
         ("prefill-1", "decode-2", 40, 860)
     assert first.wait_s == 0.12 and first.start_s == 10.0 and first.max_gap_s == 0.02
     assert (second.prefill_engine, second.computed_tokens) == ("", 150)  # its usage: 900 prompt, 750 cached
+
+
+def test_engines_bound_to_the_same_cores_share_one_queue() -> None:
+    """Two prefill engines on one core (the benches' split): a 3,000-token prompt computed on p1 slows a turn on p0
+    that was sent just after it. Apart, the turn's 3.3 s is a stall (0.1 s of its own compute); bound alike, the
+    other engine's prompt is queue it waited behind; engines on other cores still do not count."""
+    big = turn("big", start=0.0, ttft=3.1, computed=3000, prefill="p1")
+    late = turn("late", start=0.1, ttft=3.3, computed=100, prefill="p0")
+    apart = find_stalls([big, late], prefill_tokens_per_s=RATE, median_gap_s=0.02)
+    assert [s.turn for s in apart.stalls] == ["late"]
+    shared = find_stalls([big, late], prefill_tokens_per_s=RATE, median_gap_s=0.02, cores={"p0": "0", "p1": "0"})
+    assert shared.count == 0
+    split = find_stalls([big, late], prefill_tokens_per_s=RATE, median_gap_s=0.02, cores={"p0": "0", "p1": "1"})
+    assert [s.turn for s in split.stalls] == ["late"]

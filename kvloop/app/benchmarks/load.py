@@ -78,6 +78,7 @@ from kvloop.app.benchmarks.multiturn import (
     add_topology_arguments,
     cores_record,
     engine_config,
+    engine_cores,
     engine_snapshot,
     prefill_engines_problem,
     start_config,
@@ -232,7 +233,7 @@ def point_stalls(requests: list[aiperf.Request], engine_figures: dict[str, float
     rate = prefill_rate(engine_figures.get("computed_all", 0.0),
                         engine_figures.get("vllm:request_prefill_time_seconds_sum", 0.0))
     return find_stalls(turns, prefill_tokens_per_s=rate, median_gap_s=statistics.median(gaps) if gaps else None,
-                       step_tokens=step_budgets(engines))
+                       step_tokens=step_budgets(engines), cores=engine_cores(engines))
 
 
 async def run_point(name: str, load_value: float, url: str, router: str | None, engines: EngineSet,

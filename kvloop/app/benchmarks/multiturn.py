@@ -64,7 +64,7 @@ from kvloop.app.benchmarks.stats import (
 from kvloop.app.benchmarks.workload import AgentSpec, Conversation, WorkloadSpec, agent, describe, replay, synthetic
 from kvloop.app.cluster import LocalCluster
 from kvloop.app.engine_set import EngineSet, start_engines
-from kvloop.engines.config import EngineConfig, default_work_dir, role_cores
+from kvloop.engines.config import EngineConfig, default_work_dir, is_cpu_build, role_cores
 from kvloop.engines.model import ensure_tiny_model
 from kvloop.shared.http import engine_client_connector, metric_by_label, metric_total, read_metrics
 from kvloop.shared.vocabulary import Role
@@ -337,7 +337,7 @@ async def run_config(name: str, repeat: int, model: Path, work: Path, conversati
             await asyncio.to_thread(engines.stop)
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     return {"records": records, "gaps": gaps, "engines": delta, "seconds": seconds,
-            "step_tokens": step_budgets(engines)}
+            "step_tokens": step_budgets(engines), "cores": engine_cores(engines)}
 
 
 def step_budgets(engines: EngineSet) -> dict[str, int]:
@@ -348,6 +348,17 @@ def step_budgets(engines: EngineSet) -> dict[str, int]:
         budget = e.plan.config.resolved_step_tokens()
         if budget:
             out[e.engine_id] = out[e.url] = budget
+    return out
+
+
+def engine_cores(engines: EngineSet) -> dict[str, str]:
+    """Each engine's cores (its CPU binding) by its id and its URL: engines bound alike share a queue in the stall
+    check. A GPU engine's binding says nothing of where its steps run: none is given for it."""
+    if not is_cpu_build():
+        return {}
+    out: dict[str, str] = {}
+    for e in engines:
+        out[e.engine_id] = out[e.url] = e.plan.config.resolved_omp_threads_bind()
     return out
 
 
@@ -385,7 +396,7 @@ def run_stalls(run: dict[str, Any]) -> StallReport:
                        prefill_tokens_per_s=prefill_rate(engines.get("computed_all", 0.0),
                                                          engines.get("vllm:request_prefill_time_seconds_sum", 0.0)),
                        median_gap_s=statistics.median(gaps) if gaps else None,
-                       step_tokens=run.get("step_tokens") or {})
+                       step_tokens=run.get("step_tokens") or {}, cores=run.get("cores") or {})
 
 
 # Summaries -------------------------------------------------------------------------------------------------

@@ -19,6 +19,8 @@ turn is computed from token counts and one measured rate:
   that engine was computing at once meanwhile, capped at its step budget, / ``R``) + the router's deliberate waits
   (``publication_wait``) + ``TURN_OVERHEAD_S`` (HTTP hops, placement, the P/D hand-off). Queued ahead: sent
   before the turn and without a first token when it was sent, counted whole (an upper bound of what was left).
+  An engine's queue is its cores' queue: engines bound to the same cores (the benches' two prefill engines share
+  the first half of the machine) compute each other's turns' tokens too, so theirs count as ahead (``cores``).
   A pull is explained up to what computing its tokens would cost (the router pulls only when that is cheaper).
 - **Explained gap** (the turn's largest) = one step of its decode engine: the most prompt tokens that engine was
   computing at once while the turn streamed, capped at its step budget, / ``R`` + one decode step (the
@@ -144,7 +146,7 @@ def prefill_rate(computed_tokens: float, prefill_time_s: float) -> float | None:
     return computed_tokens / prefill_time_s if computed_tokens > 0 and prefill_time_s > 0 else None
 
 
-def _same(a: str, b: str) -> bool:
+def _one_engine(a: str, b: str) -> bool:
     """Two engine ids name the same engine, or one is unknown (then any engine may be it: lenient)."""
     return a == b or not a or not b
 
@@ -154,14 +156,32 @@ class _Model:
     turns: Sequence[TurnTiming]
     rate: float
     step_tokens: Mapping[str, int] = field(default_factory=dict)
+    cores: Mapping[str, str] = field(default_factory=dict)
+    """Each engine's cores (its binding, e.g. ``0`` or ``0-1``) where known."""
+
+    def _same(self, a: str, b: str) -> bool:
+        """Two engines compute on the same cores: the same engine, engines bound alike, or one unknown (then any
+        engine may be it: lenient)."""
+        if _one_engine(a, b):
+            return True
+        return (ca := self.cores.get(a)) is not None and ca == self.cores.get(b)
 
     def ahead(self, t: TurnTiming) -> int:
         """Computed tokens of the turns on ``t``'s prefill engine that were sent before it and had no first token
-        when it was sent, counted whole."""
-        assert t.start_s is not None
-        return sum(u.compute_tokens for u in self.turns
-                   if u is not t and u.start_s is not None and (first := u.first_s) is not None
-                   and _same(u.prefill_engine, t.prefill_engine) and u.start_s <= t.start_s < first)
+        when it was sent (the engine's queue, first come first served), and of the turns on other engines bound to
+        its cores that were computing at any time while it waited (the OS shares the cores between the engines,
+        whoever came first), each counted whole."""
+        assert t.start_s is not None and t.ttft_s is not None
+        t_first = t.start_s + t.ttft_s
+        total = 0
+        for u in self.turns:
+            if u is t or u.start_s is None or (first := u.first_s) is None:
+                continue
+            if _one_engine(u.prefill_engine, t.prefill_engine):
+                total += u.compute_tokens if u.start_s <= t.start_s < first else 0
+            elif self._same(u.prefill_engine, t.prefill_engine):
+                total += u.compute_tokens if u.start_s < t_first and first > t.start_s else 0
+        return total
 
     def step_s(self, engine: str, lo: float, hi: float, t: TurnTiming) -> float:
         """One step of ``engine`` while ``t`` waited on it in [lo, hi]: the most prompt tokens it was computing at
@@ -169,7 +189,7 @@ class _Model:
         its step budget when known."""
         spans = [(max(u.start_s, lo), min(first, hi), u.compute_tokens) for u in self.turns
                  if u is not t and u.start_s is not None and (first := u.first_s) is not None
-                 and _same(u.prefill_engine, engine) and u.start_s < hi and first > lo]
+                 and self._same(u.prefill_engine, engine) and u.start_s < hi and first > lo]
         tokens = max((sum(n for a, b, n in spans if a <= at < b) for at, _, _ in spans), default=0)
         cap = self.step_tokens.get(engine, 0)
         return (min(tokens, cap) if cap > 0 else tokens) / self.rate
@@ -189,15 +209,17 @@ class _Model:
 
 
 def find_stalls(turns: Sequence[TurnTiming], *, prefill_tokens_per_s: float | None, median_gap_s: float | None,
-                step_tokens: Mapping[str, int] | None = None, bound_s: float = BOUND_S,
+                step_tokens: Mapping[str, int] | None = None, cores: Mapping[str, str] | None = None,
+                bound_s: float = BOUND_S,
                 overhead_s: float = TURN_OVERHEAD_S, factor: float = FALLBACK_FACTOR) -> StallReport:
     """The stalls among one configuration run's finished turns (see the module's docstring for the rule).
 
     ``prefill_tokens_per_s``: ``R`` (:func:`prefill_rate`); ``median_gap_s``: the median of every gap between
     streamed tokens of the run (one decode step); ``step_tokens``: each engine's step budget (vLLM's
-    ``--max-num-batched-tokens``) by the engine names the turns use, where known."""
+    ``--max-num-batched-tokens``) by the engine names the turns use, where known; ``cores``: each engine's cores
+    by the same names, where known (engines bound to the same cores share one queue)."""
     rate = prefill_tokens_per_s if prefill_tokens_per_s and prefill_tokens_per_s > 0 else None
-    model = _Model(turns, rate, dict(step_tokens or {})) if rate is not None else None
+    model = _Model(turns, rate, dict(step_tokens or {}), dict(cores or {})) if rate is not None else None
     ttfts = [t.ttft_s for t in turns if t.ttft_s is not None]
     median_ttft_s = statistics.median(ttfts) if ttfts else 0.0
     decode_step_s = median_gap_s or 0.0
