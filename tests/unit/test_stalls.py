@@ -37,7 +37,7 @@ def test_a_5_s_gap_among_20_ms_gaps_is_a_stall_and_a_prefill_step_is_not() -> No
     streaming = turn("streaming", start=40.0, ttft=0.2, end=43.0, gap=1.8, prefill="e", decode="e")
     assert find_stalls([long_prompt, streaming], prefill_tokens_per_s=RATE, median_gap_s=0.02).count == 0
     capped = find_stalls([long_prompt, streaming], prefill_tokens_per_s=RATE, median_gap_s=0.02,
-                         step_tokens={"e": 512})
+                         step_tokens={"e": 512}, context_cost_tokens=float("inf"))
     assert capped.count == 1 and capped.stalls[0].explained_s == 0.512 + 0.02
     # A step holds the prompts computed at once: two 1,500-token prompts one after the other explain a 1.5 s
     # step, not a 3 s one; the same two at the same time explain 3 s.
@@ -184,3 +184,16 @@ def test_engines_bound_to_the_same_cores_share_one_queue() -> None:
     assert shared.count == 0
     split = find_stalls([big, late], prefill_tokens_per_s=RATE, median_gap_s=0.02, cores={"p0": "0", "p1": "1"})
     assert [s.turn for s in split.stalls] == ["late"]
+
+
+def test_a_token_at_long_context_is_explained_as_dearer_than_one_at_short_context() -> None:
+    """R is the run's average: a turn computing 1,000 tokens at 20,000 tokens of context takes longer than 1,000 at
+    none, and the run's total is kept (the short turn's share shrinks as the long one's grows)."""
+    short = TurnTiming("short", 0.5, None, 0.0, 2.0, prompt_tokens=1000, computed_tokens=1000, prefill_engine="a")
+    long = TurnTiming("long", 2.4, None, 10.0, 14.0, prompt_tokens=21000, computed_tokens=1000, prefill_engine="a")
+    report = find_stalls([short, long], prefill_tokens_per_s=RATE, median_gap_s=0.02, overhead_s=0.0)
+    assert report.count == 0  # 2,000 tokens at 1,000/s: 2 s together, 0.39 s and 1.61 s by context
+    assert report.checked == 2
+    flat = find_stalls([short, long], prefill_tokens_per_s=RATE, median_gap_s=0.02, overhead_s=0.0,
+                       context_cost_tokens=float("inf"))
+    assert [s.turn for s in flat.stalls] == ["long"] and flat.stalls[0].explained_s == 1.0

@@ -460,7 +460,10 @@ def summarize(name: str, runs: list[dict[str, Any]], late_tokens: int) -> dict[s
         "healthy": healthy,
         "health": [{"healthy": c.healthy, "reason": c.reason, "ttft_over_prefill": c.ttft_over_prefill,
                     "stalled_requests": c.stalled_requests, "stalled_turns": c.stalled_turns} for c in checks],
-        "stalls": {"count": sum(s.count for s in stalls), "runs": [s.to_dict() for s in stalls]},
+        # Each run's engine bindings and step budgets beside its stalls: what a later check of its turns needs.
+        "stalls": {"count": sum(s.count for s in stalls),
+                   "runs": [{**s.to_dict(), "cores": run.get("cores", {}), "step_tokens": run.get("step_tokens", {})}
+                            for s, run in zip(stalls, runs, strict=True)]},
         "seconds": [round(run["seconds"], 1) for run in runs],
         "error_samples": [r.error for r in records if r.error][:3]}
     if name.startswith("upstream"):

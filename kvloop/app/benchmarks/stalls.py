@@ -17,11 +17,17 @@ turn is computed from token counts and one measured rate:
 - **Explained TTFT** = (the turn's computed tokens + the computed tokens of the turns queued ahead of it on its
   prefill engine + the tokens it pulled) / ``R`` + one step of its decode engine (P/D: the most prompt tokens
   that engine was computing at once meanwhile, capped at its step budget, / ``R``) + the router's deliberate waits
-  (``publication_wait``) + ``TURN_OVERHEAD_S`` (HTTP hops, placement, the P/D hand-off). Queued ahead: sent
-  before the turn and without a first token when it was sent, counted whole (an upper bound of what was left).
-  An engine's queue is its cores' queue: engines bound to the same cores (the benches' two prefill engines share
-  the first half of the machine) compute each other's turns' tokens too, so theirs count as ahead (``cores``).
+  (``publication_wait``) + ``TURN_OVERHEAD_S`` (HTTP hops, placement, the P/D hand-off). Queued ahead:
+  sent before the turn and without a first token when it was sent, counted whole (an upper bound of what was
+  left), and those sent while it waited up to one step's budget (continuous batching fills the turn's own step
+  with them). An engine's queue is its cores' queue: engines bound to the same cores (the benches' two prefill
+  engines share the first half of the machine) compute each other's turns' tokens, so every turn computing there
+  while it waited counts (``cores``).
   A pull is explained up to what computing its tokens would cost (the router pulls only when that is cheaper).
+- **Context**: a prompt token attends to every token before it, so one computed at 12,000 tokens of context costs
+  more than one at 1,000; ``R`` is the run's average. Each turn's computed tokens are weighed by
+  ``1 + context / CONTEXT_COST_TOKENS`` (its computed tokens' mean position), relative to the run's token-weighted
+  mean weight, so the run's total time is what ``R`` says and long contexts get their larger share of it.
 - **Explained gap** (the turn's largest) = one step of its decode engine: the most prompt tokens that engine was
   computing at once while the turn streamed, capped at its step budget, / ``R`` + one decode step (the
   configuration's median gap).
@@ -44,6 +50,13 @@ from kvloop.app.benchmarks.stats import TURN_OVERHEAD_S
 
 BOUND_S = 1.0
 """A turn is a stall when its TTFT or largest gap exceeds what explains it by more than this."""
+CONTEXT_COST_TOKENS = 5900.0
+"""The context at which a prompt token's attention costs as much as the rest of its compute: the tiny model on this
+project's CPU machines (``kvloop bench profile`` at b78629f, docs/bench/fleet/profile-cpu-1core-avx2.json:
+prefill_token_s 1.05 ms over attention_token_s 0.177 ms per 1,000 tokens of context)."""
+DEFAULT_STEP_TOKENS = 2048
+"""An engine's step budget where the bench does not know it: vLLM's ``max_num_batched_tokens`` for its OpenAI server
+on most hardware (``vllm/engine/arg_utils.py``)."""
 FALLBACK_FACTOR = 10.0
 """Without the inputs of the model: a gap is explained by this many median gaps, a TTFT by this many median TTFTs."""
 
@@ -151,6 +164,13 @@ def _one_engine(a: str, b: str) -> bool:
     return a == b or not a or not b
 
 
+def _weight(t: TurnTiming, context_cost_tokens: float) -> float:
+    """What a computed token of ``t`` costs against one at no context (see the module docstring)."""
+    computed = t.compute_tokens
+    mean_position = max(0, t.prompt_tokens - computed) + computed / 2
+    return 1.0 + mean_position / context_cost_tokens
+
+
 @dataclass
 class _Model:
     turns: Sequence[TurnTiming]
@@ -158,6 +178,18 @@ class _Model:
     step_tokens: Mapping[str, int] = field(default_factory=dict)
     cores: Mapping[str, str] = field(default_factory=dict)
     """Each engine's cores (its binding, e.g. ``0`` or ``0-1``) where known."""
+    context_cost_tokens: float = CONTEXT_COST_TOKENS
+    _scale: dict[int, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        tokens = sum(t.compute_tokens for t in self.turns)
+        weighted = sum(t.compute_tokens * _weight(t, self.context_cost_tokens) for t in self.turns)
+        mean = weighted / tokens if tokens else 1.0
+        self._scale = {id(t): _weight(t, self.context_cost_tokens) / mean for t in self.turns}
+
+    def cost(self, t: TurnTiming) -> float:
+        """``t``'s computed tokens in the run's average tokens (``R`` prices those)."""
+        return t.compute_tokens * self._scale.get(id(t), 1.0)
 
     def _same(self, a: str, b: str) -> bool:
         """Two engines compute on the same cores: the same engine, engines bound alike, or one unknown (then any
@@ -166,37 +198,44 @@ class _Model:
             return True
         return (ca := self.cores.get(a)) is not None and ca == self.cores.get(b)
 
-    def ahead(self, t: TurnTiming) -> int:
-        """Computed tokens of the turns on ``t``'s prefill engine that were sent before it and had no first token
-        when it was sent (the engine's queue, first come first served), and of the turns on other engines bound to
-        its cores that were computing at any time while it waited (the OS shares the cores between the engines,
-        whoever came first), each counted whole."""
+    def ahead(self, t: TurnTiming) -> float:
+        """Costed tokens computed on ``t``'s cores while it waited, each turn counted whole: on its engine, the turns
+        sent before it and without a first token then (first come, first served); on another engine bound to the
+        same cores, every turn computing meanwhile (the OS shares the cores, whoever came first). Plus, on its
+        engine, turns sent while it waited, up to one step's budget: continuous batching fills the step that
+        computes ``t`` with whatever else waits."""
         assert t.start_s is not None and t.ttft_s is not None
         t_first = t.start_s + t.ttft_s
-        total = 0
+        earlier = joined = 0.0
         for u in self.turns:
             if u is t or u.start_s is None or (first := u.first_s) is None:
                 continue
             if _one_engine(u.prefill_engine, t.prefill_engine):
-                total += u.compute_tokens if u.start_s <= t.start_s < first else 0
-            elif self._same(u.prefill_engine, t.prefill_engine):
-                total += u.compute_tokens if u.start_s < t_first and first > t.start_s else 0
-        return total
+                if u.start_s <= t.start_s < first:
+                    earlier += self.cost(u)
+                elif t.start_s < u.start_s < t_first:
+                    joined += self.cost(u)
+            elif self._same(u.prefill_engine, t.prefill_engine) and u.start_s < t_first and first > t.start_s:
+                earlier += self.cost(u)
+        budget = (self.step_tokens.get(t.prefill_engine) or DEFAULT_STEP_TOKENS) * self._scale.get(id(t), 1.0)
+        return earlier + min(joined, budget)
 
     def step_s(self, engine: str, lo: float, hi: float, t: TurnTiming) -> float:
         """One step of ``engine`` while ``t`` waited on it in [lo, hi]: the most prompt tokens it was computing at
         once meanwhile (prompts whose prefill, sent to first token, overlaps the window and each other), capped at
         its step budget when known."""
-        spans = [(max(u.start_s, lo), min(first, hi), u.compute_tokens) for u in self.turns
+        spans = [(max(u.start_s, lo), min(first, hi), self.cost(u)) for u in self.turns
                  if u is not t and u.start_s is not None and (first := u.first_s) is not None
                  and self._same(u.prefill_engine, engine) and u.start_s < hi and first > lo]
-        tokens = max((sum(n for a, b, n in spans if a <= at < b) for at, _, _ in spans), default=0)
-        cap = self.step_tokens.get(engine, 0)
+        tokens = max((sum(n for a, b, n in spans if a <= at < b) for at, _, _ in spans), default=0.0)
+        # The budget caps a step's tokens; at the dearest context among them, as costed tokens.
+        cap = self.step_tokens.get(engine, 0) * max((self._scale.get(id(u), 1.0) for u in self.turns
+                                                     if self._same(u.prefill_engine, engine)), default=1.0)
         return (min(tokens, cap) if cap > 0 else tokens) / self.rate
 
     def ttft(self, t: TurnTiming, overhead_s: float) -> float:
         assert t.start_s is not None and t.ttft_s is not None
-        own = (t.compute_tokens + self.ahead(t) + t.pulled_tokens) / self.rate
+        own = (self.cost(t) + self.ahead(t) + t.pulled_tokens) / self.rate
         hand_off = 0.0
         if t.decode_engine and t.decode_engine != t.prefill_engine:
             hand_off = self.step_s(t.decode_engine, t.start_s, t.start_s + t.ttft_s, t)
@@ -210,7 +249,7 @@ class _Model:
 
 def find_stalls(turns: Sequence[TurnTiming], *, prefill_tokens_per_s: float | None, median_gap_s: float | None,
                 step_tokens: Mapping[str, int] | None = None, cores: Mapping[str, str] | None = None,
-                bound_s: float = BOUND_S,
+                context_cost_tokens: float = CONTEXT_COST_TOKENS, bound_s: float = BOUND_S,
                 overhead_s: float = TURN_OVERHEAD_S, factor: float = FALLBACK_FACTOR) -> StallReport:
     """The stalls among one configuration run's finished turns (see the module's docstring for the rule).
 
@@ -219,7 +258,8 @@ def find_stalls(turns: Sequence[TurnTiming], *, prefill_tokens_per_s: float | No
     ``--max-num-batched-tokens``) by the engine names the turns use, where known; ``cores``: each engine's cores
     by the same names, where known (engines bound to the same cores share one queue)."""
     rate = prefill_tokens_per_s if prefill_tokens_per_s and prefill_tokens_per_s > 0 else None
-    model = _Model(turns, rate, dict(step_tokens or {}), dict(cores or {})) if rate is not None else None
+    model = (_Model(turns, rate, dict(step_tokens or {}), dict(cores or {}), context_cost_tokens)
+             if rate is not None else None)
     ttfts = [t.ttft_s for t in turns if t.ttft_s is not None]
     median_ttft_s = statistics.median(ttfts) if ttfts else 0.0
     decode_step_s = median_gap_s or 0.0
