@@ -1,6 +1,6 @@
-"""The host a CPU engine shares (kvloop.shared.engine_model.host): no background, no stretch; background work first
-fills the cores the engines leave idle; what spills over stretches every step by 1 / (1 - share), the share capped;
-a GPU fleet (no shared cores) is never stretched; bad figures are refused by name."""
+"""The host a CPU engine shares (kvloop.shared.engine_model.host): no background, no stretch; background work goes
+to the cores by the room the engines leave there and stretches those cores' steps by 1 / (1 - share), the share
+capped; a GPU fleet (no shared cores) is never stretched; bad figures are refused by name."""
 
 from __future__ import annotations
 
@@ -25,39 +25,51 @@ def busy_for(host: HostShare, engine: str, seconds: float, step: float = 0.05) -
 
 
 def test_without_background_work_a_step_keeps_its_time() -> None:
-    host = HostShare(HostSpec(cores=2), {"p": 1.0, "d": 1.0})
+    host = HostShare(HostSpec(cores=2), {"p": (0,), "d": (1,)})
     assert busy_for(host, "d", 30.0) == pytest.approx(30.0)
 
 
 def test_engines_on_their_own_hardware_are_never_stretched() -> None:
-    host = HostShare(HostSpec(cores=0, client_cores=0.0, turn_cpu_s=1.0), {"d": 1.0})
+    host = HostShare(HostSpec(cores=0, client_cores=0.0, turn_cpu_s=1.0), {"d": ()})
     for t in range(100):
         host.charge(float(t), 5.0)
     assert host.step("d", 100.0, 0.25) == 0.25
 
 
-def test_background_work_first_takes_the_idle_core() -> None:
-    """One engine busy, one idle: half a core of background work fits on the idle one and slows no step."""
-    host = HostShare(HostSpec(cores=2, client_cores=0.5), {"p": 1.0, "d": 1.0})
-    assert busy_for(host, "d", 30.0) == pytest.approx(30.0)
+def test_background_work_goes_where_the_engines_leave_room() -> None:
+    """The decode engine busy on core 1, the prefill engine idle on core 0: half a core of background work lands
+    mostly on core 0, where it would slow a prefill step, and slows the decode steps little."""
+    host = HostShare(HostSpec(cores=2, client_cores=0.5, window_s=2.0), {"p": (0,), "d": (1,)})
+    busy_for(host, "d", 30.0)
+    prefill_core, decode_core = host.core_shares()
+    assert prefill_core > 0.45 and decode_core < 0.05
+    assert host.step("d", 1000.0, 0.01) < host.step("p", 1000.0, 0.01)
 
 
-def test_what_spills_over_stretches_every_step() -> None:
-    """Both engines busy and 0.6 of a core beside them: each core gives up 0.3, so a step lasts 1 / 0.7 as long."""
-    host = HostShare(HostSpec(cores=2, client_cores=0.6, window_s=2.0), {"p": 1.0, "d": 1.0})
-    t = 0.0
-    for _ in range(2000):  # both back to back, in lock step
-        a = host.step("p", t, 0.01)
-        b = host.step("d", t, 0.01)
-        t += max(a, b)
-    assert host.background_share() == pytest.approx(0.3, abs=0.02)
-    assert host.step("d", t, 0.01) == pytest.approx(0.01 / 0.7, rel=0.03)
+def test_a_shared_core_stretches_its_steps_by_processor_sharing() -> None:
+    """One core, its engine busy, 0.3 of a core beside it: the background has nowhere else to go, and a step
+    lasts 1 / 0.7 as long."""
+    host = HostShare(HostSpec(cores=1, client_cores=0.3, window_s=2.0), {"d": (0,)})
+    busy_for(host, "d", 30.0)
+    assert host.core_shares() == [pytest.approx(0.3)]
+    assert host.step("d", 1000.0, 0.01) == pytest.approx(0.01 / 0.7)
 
 
 def test_the_share_is_capped() -> None:
-    host = HostShare(HostSpec(cores=1, client_cores=0.9, max_share=0.5), {"d": 1.0})
+    host = HostShare(HostSpec(cores=1, client_cores=0.9, max_share=0.5), {"d": (0,)})
     busy_for(host, "d", 40.0)
-    assert host.background_share() == pytest.approx(0.5)
+    assert host.background_share("d") == pytest.approx(0.5)
+
+
+def test_each_engine_counts_its_processes_beside_its_worker() -> None:
+    host = HostShare(HostSpec(cores=2, client_cores=0.2, engine_process_cores=0.1), {"p": (0,), "d": (1,)})
+    assert host.demand() == pytest.approx(0.4)
+
+
+def test_an_engine_bound_to_a_core_the_host_lacks_is_refused() -> None:
+    with pytest.raises(ConfigError) as err:
+        HostShare(HostSpec(cores=2), {"p": (0,), "d": (2,)})
+    assert err.value.field == "cores"
 
 
 @settings(max_examples=60, deadline=None)
@@ -65,7 +77,7 @@ def test_the_share_is_capped() -> None:
        client=st.floats(0, 0.9), step=st.floats(0.001, 1.0))
 def test_a_step_never_shrinks_nor_grows_past_the_cap(charges: list[tuple[float, float]], client: float,
                                                       step: float) -> None:
-    host = HostShare(HostSpec(cores=1, client_cores=client, max_share=0.5), {"d": 1.0})
+    host = HostShare(HostSpec(cores=1, client_cores=client, max_share=0.5), {"d": (0,)})
     for t, cpu in sorted(charges):
         host.charge(t, cpu)
     wall = host.step("d", 100.0, step)
@@ -76,7 +88,7 @@ def test_a_step_never_shrinks_nor_grows_past_the_cap(charges: list[tuple[float, 
     ({"cores": -1}, "cores"),
     ({"cores": 2, "client_cores": 2.0}, "client_cores"),
     ({"turn_cpu_s": -0.1}, "turn_cpu_s"),
-    ({"engine_request_cpu_s": float("nan")}, "engine_request_cpu_s"),
+    ({"engine_process_cores": float("nan")}, "engine_process_cores"),
     ({"window_s": 0.0}, "window_s"),
     ({"max_share": 1.0}, "max_share"),
 ])

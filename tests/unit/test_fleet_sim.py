@@ -170,7 +170,7 @@ def test_a_shared_host_slows_every_step() -> None:
     slow = dataclasses.replace(FAKE_PROFILE, prefill_token_s=1e-3, decode_stream_s=5e-3)
     conversations = small_agent(sessions=4, seed=9)
     own = simulate("kvloop", conversations, FleetSpec(prefill_engines=1), slow, 4, SLO)
-    shared = FleetSpec(prefill_engines=1, host=HostSpec(cores=2, client_cores=1.5, engine_request_cpu_s=0.05,
+    shared = FleetSpec(prefill_engines=1, host=HostSpec(cores=2, client_cores=1.5, engine_process_cores=0.05,
                                                         turn_cpu_s=0.05, source="fake: the fleet tests' host"))
     slowed = simulate("kvloop", conversations, shared, slow, 4, SLO)
     assert slowed["itl_ms"]["p50"] > own["itl_ms"]["p50"] * 1.05

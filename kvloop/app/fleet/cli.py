@@ -76,8 +76,8 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
                              "hardware of their own, as GPUs)")
     parser.add_argument("--host-client-cores", type=float, default=host.client_cores,
                         help="the load generator's constant share of the host, in cores (AIPerf polls)")
-    parser.add_argument("--host-engine-request-cpu-s", type=float, default=host.engine_request_cpu_s,
-                        help="CPU seconds an engine's API server and EngineCore spend per request beside its steps")
+    parser.add_argument("--host-engine-process-cores", type=float, default=host.engine_process_cores,
+                        help="each engine's API server and EngineCore beside its worker, in cores (constant)")
     parser.add_argument("--host-turn-cpu-s", type=float, default=host.turn_cpu_s,
                         help="CPU seconds of the router, sidecars and broker per routed turn")
     parser.add_argument("--host-source", default="",
@@ -109,7 +109,7 @@ def validate_simulate(args: argparse.Namespace) -> str:
 
 def host_spec(args: argparse.Namespace) -> HostSpec:
     return HostSpec(cores=args.host_cores, client_cores=args.host_client_cores,
-                    engine_request_cpu_s=args.host_engine_request_cpu_s, turn_cpu_s=args.host_turn_cpu_s,
+                    engine_process_cores=args.host_engine_process_cores, turn_cpu_s=args.host_turn_cpu_s,
                     source=args.host_source)
 
 

@@ -98,8 +98,7 @@ class FleetState:
 def build_fleet(config: Config, fleet: FleetSpec, profile: EngineProfile) -> FleetState:
     host = None
     if fleet.host.shared:
-        # Each engine computes on one core, as the profiled engine did.
-        host = HostShare(fleet.host, dict.fromkeys(_engine_ids(config, fleet), 1.0))
+        host = HostShare(fleet.host, engine_cores(config, fleet))
     engines = _engines(config, fleet, profile, host)
     broker = None if config is Config.AGGREGATED else BrokerSide(engines, fleet.broker, 0.0)
     return FleetState(engines, broker, host)
@@ -221,7 +220,6 @@ class Replay:
         self.requests[request_id] = (turn, stage)
         self.in_flight[engine_id] += 1
         engine = self.engines[engine_id][0]
-        self._charge(now, self.fleet.host.engine_request_cpu_s)
         self.at(now + self.profile.api_request_s, lambda at: engine.submit(request, at))
 
     def _charge(self, now: float, cpu_s: float) -> None:
@@ -268,6 +266,18 @@ class Replay:
             pre.pulled_blocks * self.profile.bytes_per_block if pre else 0,
             account.pulled_blocks * self.profile.bytes_per_block if pre else 0, turn.prefill, turn.decode))
         self._after_turn(turn, now)
+
+
+def engine_cores(config: Config, fleet: FleetSpec) -> dict[str, tuple[int, ...]]:
+    """Where each engine computes on a shared host, as kvloop binds engines sharing a machine
+    (:func:`kvloop.engines.config.role_cores`): prefill engines on the first half of the cores, decode engines on
+    the second, an aggregated engine on every core."""
+    cores = fleet.host.cores
+    half = max(1, cores // 2)
+    first, second = tuple(range(half)), tuple(range(cores - half, cores))
+    every = tuple(range(cores))
+    return {e: every if config is Config.AGGREGATED else first if e.startswith("prefill-") else second
+            for e in _engine_ids(config, fleet)}
 
 
 def _engine_ids(config: Config, fleet: FleetSpec) -> list[str]:
@@ -341,6 +351,6 @@ def _run_point(config: Config, conversations: Sequence[Conversation], state: Fle
                    engine_steps={e: sim.steps - steps_before[e] for e, (sim, _) in state.engines.items()})
     if fleet.host.shared:
         figures["host"] = {"cores": fleet.host.cores, "client_cores": fleet.host.client_cores,
-                           "engine_request_cpu_s": fleet.host.engine_request_cpu_s,
+                           "engine_process_cores": fleet.host.engine_process_cores,
                            "turn_cpu_s": fleet.host.turn_cpu_s, "source": fleet.host.source}
     return figures

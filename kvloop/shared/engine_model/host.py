@@ -6,14 +6,18 @@ AIPerf's own polling, the rest per request; the profile, measured on an idle mac
 
 The model (:class:`HostShare`) is a fluid one, time an argument as everywhere in this package:
 
-- background demand ``U`` (cores) is the client's constant share plus the CPU each request and turn costs beside
-  the engines, as a rate averaged over ``window_s`` (charges are impulses, so an exponential average smooths them);
-- the scheduler gives background work the cores the engines leave idle first (each engine's busy fraction is
-  averaged the same way), and only what does not fit there (``spill``) competes with the engines' steps, spread
-  over every core;
-- a step on a core whose background share is ``u`` lasts ``seconds / (1 - u)``, ``u`` capped at ``max_share``
-  (one runnable background thread beside an engine's worker gets half the core at most under Linux's fair
-  scheduler).
+- background demand ``U`` (cores) is the client's constant share, each engine's API server and EngineCore
+  processes (constant too), and the CPU each routed turn costs the router, sidecars and broker, as a rate averaged
+  over ``window_s`` (charges are impulses, so an exponential average smooths them);
+- the scheduler spreads it over the cores by the room the engines pinned there leave (each engine's CPU demand is
+  averaged the same way): a core whose engine is busy takes little of it, one whose engine is mostly idle takes
+  much, and the background work there runs beside that engine's steps, not only in its idle time;
+- a step on a core whose background share is ``u`` lasts ``seconds / (1 - u)`` (processor sharing), ``u`` capped
+  at ``max_share`` (the fair scheduler gives the engine's worker its turn however many others wait).
+
+Measured in 2026-12-07's runs (router records, ``kvloop bench load --configs kvloop --loads 4``): the prefill engine,
+mostly idle, computed its turns 2.2-2.6x slower than the idle-machine profile, the busy decode engine's ITL only
+1.1x: background work goes where the engines leave room, and then shares those cores' time.
 
 ``HostSpec.cores == 0`` means the engines run on hardware of their own (a GPU fleet): no step is stretched.
 """
@@ -33,14 +37,16 @@ class HostSpec:
     """Cores the engines and everything beside them share (0: engines on hardware of their own)."""
     client_cores: float = 0.0
     """The load generator's constant share (AIPerf's timing manager polls whether or not a request is due)."""
-    engine_request_cpu_s: float = 0.0
-    """CPU seconds an engine's API server and EngineCore process spend per request, beside its worker's steps."""
+    engine_process_cores: float = 0.0
+    """Each engine's API server and EngineCore processes beside its worker, in cores: constant in time, not per
+    request (EngineCore polls its queues; measured 0.07-0.09 of a core per engine whatever the load)."""
     turn_cpu_s: float = 0.0
     """CPU seconds per routed turn of the router, the sidecars and the broker together."""
     window_s: float = 10.0
     """How far back the averaged demand and busy fractions look."""
-    max_share: float = 0.5
-    """The largest share of a core background work takes from an engine's step."""
+    max_share: float = 0.6
+    """The largest share of a core background work takes from an engine's step (more than half: several background
+    processes can be runnable beside one engine worker)."""
     source: str = ""
     """Where the figures came from (``measured here: ...``), reported with every prediction."""
 
@@ -48,7 +54,7 @@ class HostSpec:
         if self.cores < 0:
             raise ConfigError(f"host.cores: 0 (engines on their own hardware) or more (got {self.cores})",
                               field="cores")
-        for name in ("client_cores", "engine_request_cpu_s", "turn_cpu_s"):
+        for name in ("client_cores", "engine_process_cores", "turn_cpu_s"):
             value = getattr(self, name)
             if not value >= 0:
                 raise ConfigError(f"host.{name}: must not be negative (got {value})", field=name)
@@ -69,41 +75,60 @@ class HostSpec:
 class HostShare:
     """The background work on one host, and each engine's share of its cores (module docstring)."""
 
-    def __init__(self, spec: HostSpec, engine_cores: Mapping[str, float]) -> None:
-        """``engine_cores``: the cores each engine computes on. More engines than cores (the load bench's two prefill
-        engines on one core) leave no idle core to count; how they slow each other is not modelled."""
+    def __init__(self, spec: HostSpec, engine_cores: Mapping[str, tuple[int, ...]]) -> None:
+        """``engine_cores``: the cores each engine computes on (indexes below ``spec.cores``); engines bound to the
+        same core (the load bench's two prefill engines) slow each other too, which is not modelled here."""
+        bad = sorted(e for e, cores in engine_cores.items()
+                     if spec.shared and (not cores or any(not 0 <= c < spec.cores for c in cores)))
+        if bad:
+            raise ConfigError(f"host.cores: engines {bad} are bound to no core or to one the host lacks "
+                              f"({spec.cores} cores)", field="cores")
         self.spec = spec
-        self.engine_cores = dict(engine_cores)
+        self.engine_cores = {e: tuple(cores) for e, cores in engine_cores.items()}
         self._rate = 0.0
         """Averaged background CPU per second beyond the client's constant share."""
-        self._busy = dict.fromkeys(engine_cores, 0.0)
+        self._demand = dict.fromkeys(engine_cores, 0.0)
+        """Each engine's averaged CPU demand (its steps' idle-host time per second)."""
         self._clock = 0.0
 
     def charge(self, now: float, cpu_s: float) -> None:
-        """Background work of ``cpu_s`` CPU seconds done around ``now`` (a request taken, a turn routed)."""
+        """Background work of ``cpu_s`` CPU seconds done around ``now`` (a turn routed)."""
         self._decay(now)
         self._rate += cpu_s / self.spec.window_s
 
     def step(self, engine_id: str, now: float, seconds: float) -> float:
         """The wall time of a step of ``seconds`` (its time on an idle host) that ``engine_id`` starts at ``now``;
-        the step counts towards the engine's busy fraction."""
+        the step counts towards the engine's demand."""
         if not self.spec.shared:
             return seconds
         self._decay(now)
-        stretched = seconds / (1.0 - self.background_share())
-        self._busy[engine_id] += stretched / self.spec.window_s
-        return stretched
+        self._demand[engine_id] += seconds / self.spec.window_s
+        return seconds / (1.0 - self.background_share(engine_id))
 
-    def background_share(self) -> float:
-        """The share of each core's time background work takes from the engines now."""
+    def background_share(self, engine_id: str) -> float:
+        """The share of ``engine_id``'s cores that background work takes now (the mean over its cores)."""
+        per_core = self.core_shares()
+        cores = self.engine_cores[engine_id]
+        return sum(per_core[c] for c in cores) / len(cores)
+
+    def core_shares(self) -> list[float]:
+        """Each core's background share: the demand spread over the cores by the room the engines leave on each,
+        capped at ``max_share``."""
         spec = self.spec
-        idle = max(0.0, spec.cores - sum(cores * min(1.0, self._busy[e]) for e, cores in self.engine_cores.items()))
-        spill = max(0.0, self.demand() - idle)
-        return min(spec.max_share, spill / spec.cores)
+        room = [1.0] * spec.cores
+        for engine, cores in self.engine_cores.items():
+            for c in cores:
+                room[c] -= self._demand[engine] / len(cores)
+        room = [max(0.0, r) for r in room]
+        total = sum(room)
+        demand = self.demand()
+        shares = [demand * r / total for r in room] if total > 0 else [demand / spec.cores] * spec.cores
+        return [min(spec.max_share, share) for share in shares]
 
     def demand(self) -> float:
         """Background demand in cores, averaged."""
-        return self.spec.client_cores + self._rate
+        spec = self.spec
+        return spec.client_cores + spec.engine_process_cores * len(self.engine_cores) + self._rate
 
     def _decay(self, now: float) -> None:
         dt = now - self._clock
@@ -111,6 +136,6 @@ class HostShare:
             return
         keep = math.exp(-dt / self.spec.window_s)
         self._rate *= keep
-        for engine in self._busy:
-            self._busy[engine] *= keep
+        for engine in self._demand:
+            self._demand[engine] *= keep
         self._clock = now
