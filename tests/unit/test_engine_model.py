@@ -156,6 +156,19 @@ def test_a_burst_queues_each_request_behind_the_ones_before_it() -> None:
     assert ttfts[0] == pytest.approx(lone_prefill_s(p, 256))
 
 
+def test_a_burst_sharing_a_prefix_computes_it_once_the_first_step_has_cached_it() -> None:
+    """Four requests with one 240-token prefix at one instant, a 256-token step: vLLM admits waiting requests
+    while the step's budget lasts, each looking up the prefix cache then, so the later ones find the first one's
+    blocks cached instead of computing them again."""
+    engine = EngineSim("e", FAKE_PROFILE)
+    shared = keys(0, 15)
+    burst = [(0.0, SimRequest(f"r{i}", 256, 2, (*shared, *keys(100 + i, 1)))) for i in range(4)]
+    accounts = run(engine, burst)
+    assert accounts["r0"].computed_tokens == 256
+    assert sum(a.computed_tokens for a in accounts.values()) < 2 * 256
+    assert all(accounts[f"r{i}"].local_tokens == 240 for i in (2, 3))
+
+
 def test_a_request_waits_for_room_in_the_pool() -> None:
     p = fake(kv_pool_blocks=30)
     engine = EngineSim("e", p)

@@ -185,11 +185,13 @@ class EngineSim:
 
     # ------------------------------------------------------------------ scheduling
     def _form_step(self, now: float) -> _Step | None:
-        self._admit_waiting(now)
+        """vLLM V1's order: the running requests first (decodes, then prefill chunks), then waiting requests admitted
+        while the step's budget lasts, each looking up the prefix cache as it is admitted (so a burst sharing a
+        prefix computes it once per step, not once per request)."""
         budget = self.profile.max_num_batched_tokens
         decodes = tuple(r for r in self.running if r.prefilled)[:budget]
         budget -= len(decodes)
-        chunks = []
+        chunks: list[tuple[_Run, int]] = []
         for run in self.running:
             if budget <= 0:
                 break
@@ -198,6 +200,11 @@ class EngineSim:
             n = min(run.req.prompt_tokens - run.done, budget)
             chunks.append((run, n))
             budget -= n
+        while budget > 0 and (run := self._admit_next(now)) is not None:
+            if run.ready_at <= now and not run.prefilled:
+                n = min(run.req.prompt_tokens - run.done, budget)
+                chunks.append((run, n))
+                budget -= n
         if not decodes and not chunks:
             return None
         prefill = sum(n for _, n in chunks)
@@ -210,12 +217,14 @@ class EngineSim:
         self.max_step_tokens = max(self.max_step_tokens, step.tokens)
         return step
 
-    def _admit_waiting(self, now: float) -> None:
-        """First come first served: the head waits (and all behind it) while the pool or the seats lack room."""
-        while self.waiting and len(self.running) < self.profile.max_num_seqs:
-            if not self._admit(self.waiting[0], now):
-                break
-            self.running.append(self.waiting.popleft())
+    def _admit_next(self, now: float) -> _Run | None:
+        """First come first served: the head of the queue, running now, or None while the pool or the seats lack
+        room for it (and so for all behind it)."""
+        if not self.waiting or len(self.running) >= self.profile.max_num_seqs or not self._admit(self.waiting[0], now):
+            return None
+        run = self.waiting.popleft()
+        self.running.append(run)
+        return run
 
     def _admit(self, run: _Run, now: float) -> bool:
         req, bs = run.req, self.profile.block_size
