@@ -4,10 +4,12 @@ unhealthy, and both benches withhold its ratios."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from kvloop.app.benchmarks.aiperf import Request
 from kvloop.app.benchmarks.load import compare, point_health
 from kvloop.app.benchmarks.load_stats import request_turns
-from kvloop.app.benchmarks.multiturn import TurnRecord, ratios, run_stalls, summarize
+from kvloop.app.benchmarks.multiturn import TurnRecord, ratios, recheck, run_stalls, summarize
 from kvloop.app.benchmarks.stalls import BOUND_S, TurnTiming, find_stalls
 from kvloop.app.benchmarks.stats import TURN_OVERHEAD_S, health
 
@@ -197,3 +199,18 @@ def test_a_token_at_long_context_is_explained_as_dearer_than_one_at_short_contex
     flat = find_stalls([short, long], prefill_tokens_per_s=RATE, median_gap_s=0.02, overhead_s=0.0,
                        context_cost_tokens=float("inf"))
     assert [s.turn for s in flat.stalls] == ["long"] and flat.stalls[0].explained_s == 1.0
+
+
+def test_a_written_run_is_checked_again_with_the_rules_of_today() -> None:
+    """``kvloop bench multiturn --recheck``: the stall check over a run's written turns and gaps finds what the run's
+    own check found (the 5 s gap; nothing in the calm run)."""
+    full: dict = {"configs": {}, "turns": [], "itl_gaps_ms": {}, "engines": {"cores": {"prefill": "0", "decode": "1"}}}
+    for name, gap in (("calm", None), ("sick", 5.018)):
+        run = _multiturn_run(gap)
+        full["configs"][name] = summarize(name, [run], late_tokens=8000)
+        full["turns"] += [{**dataclasses.asdict(r), "config": name} for r in run["records"]]
+        full["itl_gaps_ms"][name] = [g * 1e3 for g in run["gaps"]]
+    reports = recheck(full)
+    assert [r.count for r in reports["calm"]] == [0]
+    (sick,) = reports["sick"]
+    assert sick.count == 1 and sick.worst is not None and sick.worst.turn == "agent-3 turn 2"

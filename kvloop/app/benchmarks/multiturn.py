@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gzip
 import json
 import math
@@ -724,6 +725,52 @@ def write_json(path: Path, result: dict[str, Any]) -> None:
     path.write_text(json.dumps({**summary, "full_record": str(full)}, indent=2))
 
 
+def recheck(full: dict[str, Any]) -> dict[str, list[StallReport]]:
+    """The stall check of today's rules over a written run's turns (its ``.full.json.gz``), per configuration and
+    repeat: the run's own prefill rate, gaps and, where it kept them, engine bindings and step budgets. A run written
+    before it kept bindings gets them from its core plan: an engine that only prefilled another's turns had the
+    prefill cores, the rest the decode cores (or the aggregated engine's)."""
+    fields = {f.name for f in dataclasses.fields(TurnRecord)}
+    plan = full.get("engines", {}).get("cores", {})
+    out: dict[str, list[StallReport]] = {}
+    for name, summary in full["configs"].items():
+        reports = []
+        for repeat, run in enumerate(summary["stalls"]["runs"]):
+            records = [TurnRecord(**{k: v for k, v in t.items() if k in fields}) for t in full["turns"]
+                       if t["config"] == name and t.get("repeat", 0) == repeat]
+            turns = stall_turns(records)
+            cores = run.get("cores") or _planned_cores(turns, plan, name)
+            gaps = [g / 1e3 for g in full["itl_gaps_ms"].get(name, [])]
+            reports.append(find_stalls(turns, prefill_tokens_per_s=run.get("prefill_tokens_per_s"),
+                                       median_gap_s=statistics.median(gaps) if gaps else None,
+                                       step_tokens=run.get("step_tokens") or {}, cores=cores))
+        out[name] = reports
+    return out
+
+
+def _planned_cores(turns: list[TurnTiming], plan: dict[str, str], name: str) -> dict[str, str]:
+    prefill = {t.prefill_engine for t in turns if t.prefill_engine and t.prefill_engine != t.decode_engine}
+    engines = prefill | {t.decode_engine for t in turns if t.decode_engine}
+    single = plan.get(name, plan.get("decode", ""))
+    return {e: plan.get("prefill", "") if e in prefill else (plan.get("decode", "") if prefill else single)
+            for e in engines}
+
+
+def recheck_main(path: Path) -> int:
+    try:
+        with (gzip.open(path, "rt") if path.suffix == ".gz" else path.open()) as f:
+            full = json.load(f)
+        reports = recheck(full)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"kvloop bench multiturn: --recheck: {path} is not a run's full JSON ({exc})", file=sys.stderr)
+        return 2
+    for name, runs in reports.items():
+        for repeat, report in enumerate(runs):
+            print(f"{name} #{repeat + 1}: {report.count} stalled turn(s) of {report.checked}"
+                  + (f"; worst {report.worst.describe()}" if report.worst else ""))
+    return 0
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = AgentSpec()
     parser.add_argument("--model", type=Path, default=None, help="model directory (default: the tiny model)")
@@ -762,9 +809,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="folder: each kvloop configuration's router writes its per-turn records here as "
                              "CONFIG-REPEAT.jsonl (for kvloop analyze)")
     parser.add_argument("--plot", type=Path, default=None, help="PNG of TTFT against turn (default: beside --out)")
+    parser.add_argument("--recheck", type=Path, default=None,
+                        help="run nothing: the stall check of this version over a written run's FILE.full.json.gz")
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.recheck is not None:
+        return recheck_main(args.recheck)
     unknown = [c for c in args.configs.split(",") if c and c not in CONFIGS + PRESSURE]
     if unknown or args.repeat < 1:
         print(f"kvloop bench multiturn: --configs: unknown {unknown}; choose from {list(CONFIGS)}" if unknown else
