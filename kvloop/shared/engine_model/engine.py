@@ -200,10 +200,10 @@ class EngineSim:
             n = min(run.req.prompt_tokens - run.done, budget)
             chunks.append((run, n))
             budget -= n
-        while budget > 0 and (run := self._admit_next(now)) is not None:
-            if run.ready_at <= now and not run.prefilled:
-                n = min(run.req.prompt_tokens - run.done, budget)
-                chunks.append((run, n))
+        while budget > 0 and (admitted := self._admit_next(now)) is not None:
+            if admitted.ready_at <= now and not admitted.prefilled:
+                n = min(admitted.req.prompt_tokens - admitted.done, budget)
+                chunks.append((admitted, n))
                 budget -= n
         if not decodes and not chunks:
             return None
