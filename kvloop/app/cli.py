@@ -1,6 +1,6 @@
 """The ``kvloop`` command: ``broker serve|status``, ``up``, ``demo``, ``analyze``, ``router``,
 ``model tiny|fingerprint``, ``engine``, ``sidecar``,
-``bench broker|broker-scale|engines|multiturn|load|chaos|profile``, ``plan simulate|compare``."""
+``bench broker|broker-scale|engines|multiturn|load|chaos|profile``, ``plan simulate|compare|roofline``."""
 
 from __future__ import annotations
 
@@ -236,6 +236,12 @@ def _plan_simulate(args: argparse.Namespace) -> int:
     return simulate_main(args)
 
 
+def _plan_roofline(args: argparse.Namespace) -> int:
+    from kvloop.app.fleet.roofline_cli import roofline_main
+
+    return roofline_main(args)
+
+
 def _plan_compare(args: argparse.Namespace) -> int:
     from kvloop.app.fleet.cli import compare_main
 
@@ -407,6 +413,12 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "error and n, per configuration and load point")
     add_compare_arguments(plan_compare)
     plan_compare.set_defaults(func=_plan_compare)
+    from kvloop.app.fleet.roofline_cli import add_roofline_arguments
+
+    plan_roofline = plan.add_parser("roofline", help="an engine profile for hardware this machine lacks, from public "
+                                                     "figures (a datasheet, a model's shape, a published TTFT)")
+    add_roofline_arguments(plan_roofline)
+    plan_roofline.set_defaults(func=_plan_roofline)
     return parser
 
 

@@ -16,7 +16,9 @@ from kvloop.shared.engine_model.roofline import (
     Deployment,
     ModelShape,
     efficiency_for_ttft,
+    fit_prefill,
     lone_prefill_s,
+    memory_efficiency_for_step,
     roofline_profile,
 )
 from kvloop.shared.errors import ConfigError
@@ -76,3 +78,25 @@ def test_a_model_that_leaves_no_room_for_kv_is_refused() -> None:
 def test_a_ttft_faster_than_the_datasheet_allows_is_refused() -> None:
     with pytest.raises(ConfigError, match="datasheet"):
         efficiency_for_ttft(FAKE_GPU, FAKE_MODEL, FAKE_DEPLOYMENT, 32000, 0.05)
+
+
+@settings(max_examples=40, deadline=None)
+@given(efficiency=st.floats(0.05, 1.0), streams=st.integers(1, 64), context=st.integers(1, 30000))
+def test_a_memory_efficiency_fitted_from_a_decode_step_reproduces_it(efficiency: float, streams: int,
+                                                                     context: int) -> None:
+    deployment = dataclasses.replace(FAKE_DEPLOYMENT, memory_efficiency=efficiency)
+    step = roofline_profile(FAKE_GPU, FAKE_MODEL, deployment).step_seconds(0, 0, streams, streams * context)
+    fitted = memory_efficiency_for_step(FAKE_GPU, FAKE_MODEL, FAKE_DEPLOYMENT, streams, context, step)
+    assert fitted == pytest.approx(efficiency)
+
+
+@settings(max_examples=40, deadline=None)
+@given(efficiency=st.floats(0.05, 1.0), fixed=st.floats(0.0, 0.3), short=st.integers(256, 4000),
+       long=st.integers(8000, 60000))
+def test_two_published_prefills_give_back_the_efficiency_and_the_fixed_cost(efficiency: float, fixed: float,
+                                                                           short: int, long: int) -> None:
+    truth = roofline_profile(FAKE_GPU, FAKE_MODEL, dataclasses.replace(
+        FAKE_DEPLOYMENT, compute_efficiency=efficiency, api_request_s=fixed))
+    points = [(short, lone_prefill_s(truth, short)), (long, lone_prefill_s(truth, long))]
+    fitted_efficiency, fitted_fixed = fit_prefill(FAKE_GPU, FAKE_MODEL, FAKE_DEPLOYMENT, points)
+    assert fitted_efficiency == pytest.approx(efficiency) and fitted_fixed == pytest.approx(fixed, abs=1e-9)

@@ -66,10 +66,11 @@ class Deployment:
     """Achieved share of the dense FLOP/s in prefill (model FLOPs utilisation): fitted to a measurement."""
     memory_efficiency: float
     """Achieved share of the memory bandwidth in decode: fitted to a measurement."""
-    efficiency_source: str
     network_bytes_per_s: float
     network_latency_s: float
     network_source: str
+    efficiency_source: str = ""
+    """Where the two efficiencies came from (``kvloop plan roofline`` writes the fits it made)."""
     block_size: int = 16
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
@@ -132,6 +133,34 @@ def lone_prefill_s(profile: EngineProfile, prompt_tokens: int) -> float:
     return total
 
 
+def fit_prefill(gpu: Accelerator, model: ModelShape, d: Deployment,
+                points: list[tuple[int, float]]) -> tuple[float, float]:
+    """(compute efficiency, per-request fixed cost in seconds) through two or more published lone prefills
+    ``(prompt_tokens, seconds)``, least squares: each time is the fixed cost, the steps' weight reads, and the
+    compute, which scales as 1 / efficiency. The fixed cost is the API server, scheduling and hand-off work the
+    roofline does not see (``api_request_s``)."""
+    if len(points) < 2:
+        raise ConfigError("fit: two prompt lengths at least, to tell the fixed cost from the compute", field="fit")
+    at_one = roofline_profile(gpu, model, replace(d, compute_efficiency=1.0, api_request_s=0.0))
+    rows = []
+    for tokens, seconds in points:
+        reads = -(-tokens // d.max_num_batched_tokens) * at_one.step_base_s
+        rows.append((lone_prefill_s(at_one, tokens) - reads, seconds - reads))
+    n = len(rows)
+    mean_c = sum(c for c, _ in rows) / n
+    mean_t = sum(t for _, t in rows) / n
+    spread = sum((c - mean_c) ** 2 for c, _ in rows)
+    if spread <= 0:
+        raise ConfigError("fit: the prompt lengths must differ", field="fit")
+    slope = sum((c - mean_c) * (t - mean_t) for c, t in rows) / spread  # seconds per second of ideal compute
+    fixed = mean_t - slope * mean_c
+    if slope < 1 - 1e-9 or fixed < -1e-9:
+        raise ConfigError(f"fit: the points need {'more than the datasheet' if slope < 1 else 'a negative fixed cost'} "
+                          f"(efficiency {1 / slope if slope > 0 else float('inf'):.2f}, fixed {fixed:.4f} s)",
+                          field="fit")
+    return min(1.0, 1.0 / slope), max(0.0, fixed)
+
+
 def efficiency_for_ttft(gpu: Accelerator, model: ModelShape, d: Deployment, prompt_tokens: int,
                         ttft_s: float) -> float:
     """The compute efficiency at which a lone ``prompt_tokens`` prompt's modelled TTFT is ``ttft_s``: a measured
@@ -142,7 +171,23 @@ def efficiency_for_ttft(gpu: Accelerator, model: ModelShape, d: Deployment, prom
     if ttft_s <= fixed:
         raise ConfigError(f"ttft_s: {ttft_s} s is not more than the model's fixed cost {fixed:.4f} s", field="ttft_s")
     efficiency = compute / (ttft_s - fixed)
-    if efficiency > 1:
+    if efficiency > 1 + 1e-9:
         raise ConfigError(f"ttft_s: {ttft_s} s would need more than the datasheet's FLOP/s ({efficiency:.2f}x)",
                           field="ttft_s")
-    return efficiency
+    return min(1.0, efficiency)
+
+
+def memory_efficiency_for_step(gpu: Accelerator, model: ModelShape, d: Deployment, streams: int,
+                               context_tokens: int, step_s: float) -> float:
+    """The memory efficiency at which a decode step of ``streams`` streams of ``context_tokens`` each lasts
+    ``step_s`` (its compute part at ``d``'s compute efficiency; the bytes it reads scale as 1 / efficiency)."""
+    at_one = roofline_profile(gpu, model, replace(d, memory_efficiency=1.0))
+    memory = at_one.step_base_s + at_one.decode_context_s * streams * context_tokens
+    compute = at_one.decode_stream_s * streams
+    if step_s <= compute:
+        raise ConfigError(f"step_s: {step_s} s is not more than the step's compute {compute:.5f} s", field="step_s")
+    efficiency = memory / (step_s - compute)
+    if efficiency > 1 + 1e-9:
+        raise ConfigError(f"step_s: {step_s} s would need more than the datasheet's bandwidth ({efficiency:.2f}x)",
+                          field="step_s")
+    return min(1.0, efficiency)
