@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import math
 import os
 import subprocess
 import sys
@@ -89,10 +90,19 @@ class AgentLoad:
     answer_tokens: int = 64
     think_ms: float = 500.0
     seed: int = 0
+    turns_stddev: float = 0.0
+    user_stddev: float = 0.0
+    answer_stddev: float = 0.0
+    think_stddev_ms: float = 0.0
+    private_tokens: int = 0
+    """Each session's own context ahead of its turns (AIPerf's user context prompt), after the shared system prompt."""
 
     def history_tokens(self) -> int:
-        """The longest prompt a session reaches (its last turn's)."""
-        return self.system_tokens + self.turns * (self.user_tokens + self.answer_tokens) + 64
+        """The longest prompt a session reaches (its last turn's), a spread taken at three deviations."""
+        turns = self.turns + math.ceil(3 * self.turns_stddev)
+        user = self.user_tokens + 3 * self.user_stddev
+        answer = self.answer_tokens + 3 * self.answer_stddev
+        return self.system_tokens + self.private_tokens + math.ceil(turns * (user + answer)) + 64
 
 
 @dataclass(frozen=True)
@@ -101,6 +111,19 @@ class TraceLoad:
     its timestamps."""
     path: Path
     block_size: int = 512
+
+
+def _spread(argv: list[str], load: AgentLoad) -> list[str]:
+    """The load's spreads in place of the fixed zeros, and its private context (a workload shape)."""
+    spreads = {"--conversation-turn-stddev": load.turns_stddev, "--prompt-input-tokens-stddev": load.user_stddev,
+               "--output-tokens-stddev": load.answer_stddev}
+    out = [f"{spreads[argv[i - 1]]:g}" if i and argv[i - 1] in spreads else a for i, a in enumerate(argv)]
+    if load.think_stddev_ms:
+        out += ["--conversation-turn-delay-stddev", f"{load.think_stddev_ms:g}"]
+    if load.private_tokens:
+        # AIPerf draws one context per dataset entry, and needs their count.
+        out += ["--user-context-prompt-length", str(load.private_tokens), "--num-dataset-entries", str(load.sessions)]
+    return out
 
 
 def command(exe: Path, *, model: str, tokenizer: Path | str, url: str, concurrency: int, load: AgentLoad | TraceLoad,
@@ -119,6 +142,7 @@ def command(exe: Path, *, model: str, tokenizer: Path | str, url: str, concurren
                  "--prompt-input-tokens-mean", str(load.user_tokens), "--prompt-input-tokens-stddev", "0",
                  "--output-tokens-mean", str(load.answer_tokens), "--output-tokens-stddev", "0",
                  "--random-seed", str(load.seed)]
+        argv = _spread(argv, load)
     else:
         argv += ["--input-file", str(load.path), "--custom-dataset-type", "mooncake_trace", "--fixed-schedule",
                  "--isl-block-size", str(load.block_size)]

@@ -84,6 +84,7 @@ from kvloop.app.benchmarks.multiturn import (
     start_config,
     step_budgets,
 )
+from kvloop.app.benchmarks.shapes import SHAPES, parse_shapes, shaped
 from kvloop.app.benchmarks.stalls import BOUND_S, StallReport, find_stalls, prefill_rate
 from kvloop.app.benchmarks.stats import STALL_S, health, markdown_table, show
 from kvloop.app.benchmarks.warmup import WarmUp, warm_up
@@ -294,9 +295,10 @@ def load_for(args: argparse.Namespace, value: float, trace_file: Path | None) ->
     if trace_file is not None:
         return TraceLoad(trace_file.with_name(f"trace-x{value:g}.jsonl"), block_size=args.trace_block_size)
     sessions = max(args.sessions_per_load * int(value), math.ceil(args.min_requests / args.turns))
-    return AgentLoad(sessions=sessions, turns=args.turns, system_tokens=args.system_tokens,
+    base = AgentLoad(sessions=sessions, turns=args.turns, system_tokens=args.system_tokens,
                      user_tokens=args.user_tokens, answer_tokens=args.answer_tokens, think_ms=args.think_ms,
                      seed=args.seed)
+    return shaped(SHAPES[getattr(args, "shape", "agent")], base)
 
 
 def compare(configs: dict[str, Any]) -> dict[str, Any]:
@@ -448,7 +450,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                                  "slowed": args.trace_slow, "seconds": args.trace_seconds,
                                  "block_size": args.trace_block_size, "load_axis": "replay speed"}
                                 if args.trace else
-                                {"kind": "agent", **asdict(load_for(args, loads[0], None)),
+                                {"kind": "agent", "shape": getattr(args, "shape", "agent"),
+                                 **asdict(load_for(args, loads[0], None)),
                                  "sessions_per_load": args.sessions_per_load, "load_axis": "concurrent sessions"})
     result: dict[str, Any] = {
               "configs": configs, "ratios": compare(configs),
@@ -480,6 +483,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--user-tokens", type=int, default=200, help="new user tokens a turn")
     parser.add_argument("--answer-tokens", type=int, default=64)
     parser.add_argument("--think-ms", type=float, default=500.0, help="delay between a session's turns")
+    parser.add_argument("--shapes", default="agent", help="workload shapes, comma-separated, run one after another and "
+                        "laid side by side (kvloop.app.benchmarks.shapes): " + ", ".join(
+                            f"{s.name} ({s.stresses})" for s in SHAPES.values()))
     parser.add_argument("--sessions-per-load", type=int, default=2, help="sessions per point: this times the "
                         "concurrency, at least enough for --min-requests")
     parser.add_argument("--min-requests", type=int, default=100, help="requests per point (a p99 needs 100)")
@@ -525,6 +531,12 @@ def validate(args: argparse.Namespace) -> str:
         return f"--trace: no file {args.trace}"
     if args.warmup_sessions < 0:
         return "--warmup-sessions: 0 (none) or more"
+    try:
+        shapes = parse_shapes(args.shapes)
+    except ValueError as exc:
+        return str(exc)
+    if args.trace and [s.name for s in shapes] != ["agent"]:
+        return "--shapes: a trace replay has its own shape; shapes are for the agent workload"
     if args.ttft_slo_ms <= 0 or args.itl_slo_ms <= 0:
         return "--ttft-slo-ms, --itl-slo-ms: must be positive"
     if min(args.turns, args.system_tokens, args.user_tokens, args.answer_tokens, args.sessions_per_load,
@@ -546,12 +558,49 @@ def main(args: argparse.Namespace) -> int:
         print(f"kvloop bench load: {problem}", file=sys.stderr)
         return 2
     args.slo = Slo(ttft_ms=args.ttft_slo_ms, itl_ms=args.itl_slo_ms)
-    result = asyncio.run(bench(args))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1, default=str))
-        print(f"wrote {args.out}")
-    unhealthy = [n for n, c in result["configs"].items() if not c["healthy"]]
-    if unhealthy:
-        print(f"unhealthy: {', '.join(unhealthy)} (see each point's health)", file=sys.stderr)
+    shapes = parse_shapes(args.shapes)
+    results = {}
+    for shape in shapes:
+        run = argparse.Namespace(**vars(args))
+        run.shape = shape.name
+        if len(shapes) > 1:
+            print(f"==== shape {shape.name}: {shape.stresses}", flush=True)
+            run.work_dir = (args.work_dir or default_work_dir() / "bench-load") / shape.name
+            run.router_records = args.router_records / shape.name if args.router_records else None
+            run.out = args.out.with_name(f"{args.out.stem}-{shape.name}{args.out.suffix}") if args.out else None
+        result = asyncio.run(bench(run))
+        results[shape.name] = result
+        if run.out:
+            run.out.parent.mkdir(parents=True, exist_ok=True)
+            run.out.write_text(json.dumps(result, indent=1, default=str))
+            print(f"wrote {run.out}")
+        unhealthy = [n for n, c in result["configs"].items() if not c["healthy"]]
+        if unhealthy:
+            print(f"unhealthy: {', '.join(unhealthy)} (see each point's health)", file=sys.stderr)
+    if len(shapes) > 1:
+        side = side_by_side(results)
+        print("\n" + side["markdown"])
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(side, indent=1, default=str))
+            print(f"wrote {args.out}")
     return 0
+
+
+def side_by_side(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Each shape's goodput per configuration and load, and its ratio to the aggregated engine where both points are
+    healthy (the ratios of :func:`compare`): one row per shape and load."""
+    rows, table_rows = [], []
+    for shape, result in results.items():
+        for config, figures in result["configs"].items():
+            for p in figures["points"]:
+                ratio = result["ratios"].get(f"{config}_over_{BASELINE}@{p['load']:g}", {}).get("goodput")
+                rows.append({"shape": shape, "config": config, "load": p["load"], "goodput_rps": p["goodput_rps"],
+                             "healthy": p["health"]["healthy"], "goodput_over_aggregated": ratio,
+                             "requests": p["requests"]})
+                table_rows.append([shape, config, f"{p['load']:g}", p["requests"], f"{p['goodput_rps']:.2f}",
+                                   "yes" if p["health"]["healthy"] else "no",
+                                   "-" if ratio is None else f"{ratio:.2f}"])
+    return {"shapes": list(results), "rows": rows,
+            "markdown": markdown_table(["shape", "config", "load", "n", "goodput/s", "healthy",
+                                        f"goodput / {BASELINE}"], table_rows)}
