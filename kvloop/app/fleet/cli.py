@@ -26,16 +26,20 @@ from kvloop.app.benchmarks.multiturn import BLOCK
 from kvloop.app.benchmarks.stats import markdown_table, show
 from kvloop.app.fleet.agent_load import agent_conversations
 from kvloop.app.fleet.compare import compare_runs, compare_table
-from kvloop.app.fleet.sim import Config, FleetSpec, simulate_points
+from kvloop.app.fleet.sim import Config, FleetSpec, simulate_points, simulate_schedules
+from kvloop.app.fleet.trace_load import trace_schedule
+from kvloop.shared import mooncake
 from kvloop.shared.engine_model import EngineProfile, HostSpec, load_profile, profile_to_dict
 from kvloop.shared.errors import ConfigError, ResourceExhausted
+from kvloop.shared.mooncake import TraceRow
 
 CONFIGS = tuple(c.value for c in Config)
 MIRRORED = ("loads", "ttft_slo_ms", "itl_slo_ms", "turns", "system_tokens", "user_tokens", "answer_tokens",
-            "think_ms", "sessions_per_load", "min_requests", "prefill_engines", "seed")
+            "think_ms", "sessions_per_load", "min_requests", "prefill_engines", "seed", "trace", "trace_length_scale",
+            "trace_block_size", "trace_slow", "trace_seconds", "trace_concurrency")
 """The load bench's flags ``simulate`` takes as they are: their names, types, defaults and help are the load bench's."""
-HELP = {"loads": "concurrent sessions per point (whole numbers, increasing), as kvloop bench load's agent workload"}
-"""Where the load bench's help speaks of what ``simulate`` does not do (a trace replay)."""
+HELP: dict[str, str] = {}
+"""Where the load bench's help would mislead for ``simulate`` (none now: it replays what the load bench runs)."""
 NOT_MIRRORED = (
     "chat template tokens (role headers, end-of-turn markers) are not in the prompts",
     "an answer's tokens are the next prompt's exactly (the engine re-tokenizes the answer's text)",
@@ -119,11 +123,22 @@ def agent_load(args: argparse.Namespace, value: float) -> AgentLoad:
     return load
 
 
+def trace_rows(args: argparse.Namespace, value: float) -> list[TraceRow]:
+    """The trace's requests at replay speed ``value``, cut and scaled as the load bench hands them to AIPerf."""
+    rows = mooncake.parse_lines(Path(args.trace).read_text().splitlines(), str(args.trace))
+    return mooncake.scaled(rows, length_scale=args.trace_length_scale, time_scale=args.trace_slow / value,
+                           seconds=args.trace_seconds)
+
+
 def fleet_for(args: argparse.Namespace, loads: list[float], profile: EngineProfile) -> tuple[FleetSpec, dict[str, Any]]:
     """The load bench's fleet: its prefill engines hold its highest concurrency's longest prompts (its ``sizing``,
     counted in its 128-token blocks, here in the profile's), the decode and aggregated engines the profile's pool."""
     highest = max(loads)
-    size = load_bench.sizing(agent_load(args, highest).history_tokens(), int(highest))
+    if args.trace:
+        rows = trace_rows(args, highest)
+        size = load_bench.sizing(max(r.input_length + r.output_length for r in rows), args.trace_concurrency)
+    else:
+        size = load_bench.sizing(agent_load(args, highest).history_tokens(), int(highest))
     prefill_blocks = math.ceil(size.prefill_blocks * BLOCK / profile.block_size)
     fleet = FleetSpec(prefill_engines=args.prefill_engines, decode_engines=args.decode_engines,
                       prefill_pool_blocks=prefill_blocks, host=host_spec(args))
@@ -134,10 +149,17 @@ def simulate_config(name: str, args: argparse.Namespace, loads: list[float], fle
                     profile: EngineProfile, slo: Slo) -> dict[str, Any]:
     """One configuration over the load points, one after another on the same fleet as the load bench runs them,
     with the load bench's knees."""
-    sweep = [(agent_conversations(agent_load(args, value)), int(value)) for value in loads]
-    points = simulate_points(name, sweep, fleet, profile, slo)
+    if args.trace:
+        schedules = [trace_schedule(trace_rows(args, value), args.trace_block_size, profile.block_size)
+                     for value in loads]
+        points = simulate_schedules(name, schedules, args.trace_concurrency, fleet, profile, slo)
+    else:
+        sweep = [(agent_conversations(agent_load(args, value)), int(value)) for value in loads]
+        points = simulate_points(name, sweep, fleet, profile, slo)
     for value, point in zip(loads, points, strict=True):
-        point.update(load=value, sessions=agent_load(args, value).sessions)
+        point.update(load=value)
+        if not args.trace:
+            point["sessions"] = agent_load(args, value).sessions
         print(f"   {name} @ {value:g}: {point['requests']} requests, predicted goodput {point['goodput_rps']:.2f}/s, "
               f"{point['slo_attainment']:.0%} in SLO, TTFT p50 {show(point['ttft_ms'], 'p50')} ms", flush=True)
     by_load = {p["load"]: p for p in points}
@@ -146,6 +168,10 @@ def simulate_config(name: str, args: argparse.Namespace, loads: list[float], fle
 
 def workload_record(args: argparse.Namespace, loads: list[float]) -> dict[str, Any]:
     """The load bench's ``workload`` object for the same flags, and what the prediction does not mirror."""
+    if args.trace:
+        return {"kind": "trace", "file": str(args.trace), "length_scale": args.trace_length_scale,
+                "slowed": args.trace_slow, "seconds": args.trace_seconds, "block_size": args.trace_block_size,
+                "load_axis": "replay speed", "not_mirrored": list(NOT_MIRRORED)}
     return {"kind": "agent", **asdict(agent_load(args, loads[0])), "sessions_per_load": args.sessions_per_load,
             "load_axis": "concurrent sessions",
             "sessions_by_load": {f"{v:g}": agent_load(args, v).sessions for v in loads},
@@ -204,6 +230,9 @@ def simulate_main(args: argparse.Namespace) -> int:
     except ResourceExhausted as exc:
         print(f"kvloop plan simulate: the modelled fleet cannot serve the workload: {exc}", file=sys.stderr)
         return 1
+    except ConfigError as exc:  # a trace line that is not a request
+        print(f"kvloop plan simulate: --trace: {exc}", file=sys.stderr)
+        return 2
     print("\n" + result["markdown"])
     write_json(result, args.out)
     return 0

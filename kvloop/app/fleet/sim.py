@@ -27,6 +27,7 @@ steps (:mod:`kvloop.shared.engine_model.host`).
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import math
@@ -107,7 +108,8 @@ def build_fleet(config: Config, fleet: FleetSpec, profile: EngineProfile) -> Fle
 @dataclass(slots=True)
 class _Turn:
     turn: Turn
-    session: SessionTokens
+    session: SessionTokens | None
+    """None: a scheduled turn (a trace's request), which no next turn follows."""
     arrived: float
     planned: Path = Path.RECOMPUTE
     prefill: str = ""
@@ -122,10 +124,18 @@ class Replay:
     """One configuration's replay of one load point. ``run()`` returns its turns, in the order they finished."""
 
     def __init__(self, config: Config, conversations: Sequence[Conversation], state: FleetState, fleet: FleetSpec,
-                 profile: EngineProfile, concurrency: int, salt: str = "") -> None:
+                 profile: EngineProfile, concurrency: int, salt: str = "",
+                 schedule: Sequence[tuple[float, Turn]] = ()) -> None:
+        """``conversations``: closed-loop sessions, ``concurrency`` at a time; ``schedule``: turns sent at their times
+        (seconds from the point's start) whatever came back, at most ``concurrency`` in flight (a trace replay, as
+        AIPerf's fixed schedule sends it)."""
         self.config, self.profile, self.fleet = config, profile, fleet
         self.engines, self.broker, self.host = state.engines, state.broker, state.host
         self.pending: deque[SessionTokens] = deque(SessionTokens(c, profile.block_size, salt) for c in conversations)
+        self.schedule = sorted(schedule, key=lambda item: item[0])
+        self.held_back: deque[Turn] = deque()
+        """Scheduled turns due while ``concurrency`` were in flight: sent as turns finish."""
+        self.scheduled_in_flight = 0
         self.concurrency = concurrency
         self.queue: list[tuple[float, int, Callable[[float], None]]] = []
         self._seq = itertools.count()
@@ -141,6 +151,9 @@ class Replay:
     def run(self) -> list[TurnResult]:
         for _ in range(min(self.concurrency, len(self.pending))):
             self.at(self.now, self._start_session)
+        start = self.now
+        for t, turn in self.schedule:
+            self.at(start + t, functools.partial(self._due, turn))
         while True:
             t_queue = self.queue[0][0] if self.queue else math.inf
             engine_id, t_engine = min(((e, sim.next_event_time()) for e, (sim, _) in self.engines.items()),
@@ -173,8 +186,17 @@ class Replay:
         if self.pending:
             self._arrive(self.pending.popleft(), 0, now)
 
+    def _due(self, turn: Turn, now: float) -> None:
+        if self.scheduled_in_flight >= self.concurrency:
+            self.held_back.append(turn)
+            return
+        self.scheduled_in_flight += 1
+        self._send(_Turn(turn, None, now), now)
+
     def _arrive(self, session: SessionTokens, index: int, now: float) -> None:
-        turn = _Turn(session.turn(index), session, now)
+        self._send(_Turn(session.turn(index), session, now), now)
+
+    def _send(self, turn: _Turn, now: float) -> None:
         routed = self.config is not Config.AGGREGATED or len(self.engines) > 1
         delay = self.profile.router_turn_s if routed else 0.0
         if routed:
@@ -184,6 +206,11 @@ class Replay:
     def _after_turn(self, turn: _Turn, now: float) -> None:
         """The session thinks, then sends its next turn, or (after its last) gives its place to the next session."""
         session, nxt = turn.session, turn.turn.index + 1
+        if session is None:
+            self.scheduled_in_flight -= 1
+            if self.held_back:
+                self._due(self.held_back.popleft(), now)
+            return
         if nxt < session.conversation.turns:
             self.at(now + turn.turn.think_s, lambda t: self._arrive(session, nxt, t))
         else:
@@ -326,6 +353,16 @@ def simulate_points(config_name: str, points: Sequence[tuple[Sequence[Conversati
             for i, (conversations, concurrency) in enumerate(points)]
 
 
+def simulate_schedules(config_name: str, schedules: Sequence[Sequence[tuple[float, Turn]]], concurrency: int,
+                       fleet: FleetSpec, profile: EngineProfile, slo: Slo) -> list[dict[str, Any]]:
+    """A trace replay's sweep: each point's scheduled turns (seconds from its start), at most ``concurrency`` in
+    flight, one point after another on the same fleet. Each point's figures as :func:`simulate` gives them."""
+    config = config_of(config_name)
+    state = build_fleet(config, fleet, profile)
+    return [_run_point(config, (), state, fleet, profile, concurrency, slo, schedule=schedule)
+            for schedule in schedules]
+
+
 def simulate(config_name: str, conversations: Sequence[Conversation], fleet: FleetSpec, profile: EngineProfile,
              concurrency: int, slo: Slo) -> dict[str, Any]:
     """One configuration at one load point (``concurrency`` sessions at a time) on a fresh fleet: a ``kvloop bench
@@ -335,12 +372,13 @@ def simulate(config_name: str, conversations: Sequence[Conversation], fleet: Fle
 
 
 def _run_point(config: Config, conversations: Sequence[Conversation], state: FleetState, fleet: FleetSpec,
-               profile: EngineProfile, concurrency: int, slo: Slo, salt: str = "") -> dict[str, Any]:
+               profile: EngineProfile, concurrency: int, slo: Slo, salt: str = "",
+               schedule: Sequence[tuple[float, Turn]] = ()) -> dict[str, Any]:
     if concurrency < 1:
         raise ConfigError("concurrency: at least 1 session", field="concurrency")
     steps_before = {e: sim.steps for e, (sim, _) in state.engines.items()}
     evictions_before = Counter(state.broker.evictions) if state.broker is not None else Counter()
-    replay = Replay(config, conversations, state, fleet, profile, concurrency, salt)
+    replay = Replay(config, conversations, state, fleet, profile, concurrency, salt, schedule)
     turns = replay.run()
     state.now = replay.now
     evictions = (state.broker.evictions - evictions_before) if state.broker is not None else Counter()
