@@ -168,13 +168,7 @@ def efficiency_for_ttft(gpu: Accelerator, model: ModelShape, d: Deployment, prom
     at_one = roofline_profile(gpu, model, replace(d, compute_efficiency=1.0))
     fixed = at_one.api_request_s + -(-prompt_tokens // d.max_num_batched_tokens) * at_one.step_base_s
     compute = lone_prefill_s(at_one, prompt_tokens) - fixed
-    if ttft_s <= fixed:
-        raise ConfigError(f"ttft_s: {ttft_s} s is not more than the model's fixed cost {fixed:.4f} s", field="ttft_s")
-    efficiency = compute / (ttft_s - fixed)
-    if efficiency > 1 + 1e-9:
-        raise ConfigError(f"ttft_s: {ttft_s} s would need more than the datasheet's FLOP/s ({efficiency:.2f}x)",
-                          field="ttft_s")
-    return min(1.0, efficiency)
+    return _solved("ttft_s", ttft_s, fixed, compute, "the model's fixed cost", "FLOP/s")
 
 
 def memory_efficiency_for_step(gpu: Accelerator, model: ModelShape, d: Deployment, streams: int,
@@ -184,10 +178,15 @@ def memory_efficiency_for_step(gpu: Accelerator, model: ModelShape, d: Deploymen
     at_one = roofline_profile(gpu, model, replace(d, memory_efficiency=1.0))
     memory = at_one.step_base_s + at_one.decode_context_s * streams * context_tokens
     compute = at_one.decode_stream_s * streams
-    if step_s <= compute:
-        raise ConfigError(f"step_s: {step_s} s is not more than the step's compute {compute:.5f} s", field="step_s")
-    efficiency = memory / (step_s - compute)
+    return _solved("step_s", step_s, compute, memory, "the step's compute", "bandwidth")
+
+
+def _solved(name: str, measured: float, fixed: float, ideal: float, fixed_is: str, limit: str) -> float:
+    """The efficiency at which ``fixed + ideal / efficiency`` is ``measured``, or why none is."""
+    if measured <= fixed:
+        raise ConfigError(f"{name}: {measured} s is not more than {fixed_is} {fixed:.5f} s", field=name)
+    efficiency = ideal / (measured - fixed)
     if efficiency > 1 + 1e-9:
-        raise ConfigError(f"step_s: {step_s} s would need more than the datasheet's bandwidth ({efficiency:.2f}x)",
-                          field="step_s")
+        raise ConfigError(f"{name}: {measured} s would need more than the datasheet's {limit} ({efficiency:.2f}x)",
+                          field=name)
     return min(1.0, efficiency)
