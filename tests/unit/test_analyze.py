@@ -216,3 +216,27 @@ def test_conversations_become_records() -> None:
     assert second.t == 13.5  # start + one turn (2 s) + its think time (1.5 s)
     assert (first.prompt_tokens, second.prompt_tokens) == (11, 40)  # "<user>hello", + "<assistant>hi there<user>more"
     assert common_prefix_blocks(first.keys, second.keys) == 2  # the first 8 tokens' 2 whole blocks
+
+
+def test_a_trace_gets_the_fleet_models_queueing_prediction_with_a_profile(tmp_path: Path) -> None:
+    """``--profile``: the report adds the trace's TTFT as the fleet model predicts it, labelled predicted, with n and
+    the profile's sources; records have no schedule to replay, and a missing profile is refused by name."""
+    from kvloop.shared.engine_model import dump_profile
+    from tests.unit.test_fleet_sim import FAKE_PROFILE
+
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": 400 * i, "input_length": 200 + 100 * i, "output_length": 20,
+                                         "hash_ids": list(range(2 + i))}) + "\n" for i in range(8)))
+    profile = tmp_path / "profile.json"
+    dump_profile(FAKE_PROFILE, profile)
+    args = build_parser().parse_args(["analyze", str(trace), "--trace-block-size", "100", "--profile", str(profile)])
+    assert analyze_main(args) == 0
+    text = (tmp_path / "trace-analysis" / "analysis.md").read_text()
+    assert "## Queueing prediction (fleet model)" in text and "Predicted, not measured" in text
+    assert "| kvloop | 8 |" in text and "| one_way | 8 |" in text and "fake: the fleet tests' figures" in text
+    records = tmp_path / "turns.jsonl"
+    records.write_text("".join(r.to_json() + "\n" for r in RECORDS))
+    for path, prof in ((records, profile), (trace, tmp_path / "missing.json")):
+        with pytest.raises(ConfigError) as err:
+            analyze_main(build_parser().parse_args(["analyze", str(path), "--profile", str(prof)]))
+        assert err.value.field == "profile"

@@ -6,11 +6,13 @@ import argparse
 import math
 from pathlib import Path
 
-from kvloop.app.analyze import load, report
+from kvloop.app.analyze import load, queueing, report
 from kvloop.app.analyze.analysis import DEFAULT_TTLS, Options, analyze
 from kvloop.app.analyze.retention import LONGEST_TTL_S, UNLIMITED_BUDGET
+from kvloop.app.benchmarks.aiperf import Slo
 from kvloop.broker.core import POLICIES
 from kvloop.shared import mooncake
+from kvloop.shared.engine_model import EngineProfile, load_profile
 from kvloop.shared.errors import ConfigError
 
 DEFAULT_TOKENIZER = ".kvloop/models/tiny"
@@ -65,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"(default 0: {mooncake.MOONCAKE_BLOCK} times --trace-length-scale)")
     parser.add_argument("--trace-slow", type=float, default=1.0, help="trace: its clock slowed this many times "
                         "(default %(default)s)")
+    parser.add_argument("--profile", type=Path, default=None, help="trace: also the fleet model's queueing "
+                        "prediction of its TTFT, with this engine profile (kvloop bench profile, kvloop plan "
+                        "roofline; docs/fleet-model.md)")
 
 
 def _numbers(text: str, name: str, kind: type) -> tuple[float, ...]:
@@ -119,16 +124,32 @@ def trace_block_size(args: argparse.Namespace) -> int:
     return size
 
 
+def read_profile(path: Path) -> EngineProfile:
+    try:
+        return load_profile(path)
+    except OSError as exc:
+        raise ConfigError(f"profile: cannot read {path} ({exc.strerror})", field="profile") from None
+
+
 def main(args: argparse.Namespace) -> int:
     opts = options(args)
     block_size = trace_block_size(args)
     path: Path = args.records
     lines = load.read_lines(path)
+    profile = read_profile(args.profile) if args.profile is not None else None
+    queued = ""
+    if profile is not None and not load.is_trace(lines):
+        raise ConfigError("profile: the queueing prediction replays a trace; records and conversations have none",
+                          field="profile")
     if load.is_trace(lines):
         rows = [mooncake.parse_row(raw, f"{path}:{n}") for n, raw in lines]
         rows = mooncake.scaled(rows, length_scale=args.trace_length_scale, time_scale=args.trace_slow,
                                seconds=args.trace_seconds or math.inf)
         records = load.trace_records(rows, block_size, args.turn_s)
+        if profile is not None:
+            predicted = queueing.predict(rows, block_size, profile, max(1, args.prefill_engines),
+                                         max(1, args.decode_engines), Slo())
+            queued = queueing.section(predicted, profile, str(args.profile))
     elif load.is_conversations(lines):
         tokenize, count = load.model_tokenizer(args.tokenizer)
         records = load.conversation_records(lines, tokenize, count, args.block_size, args.turn_s, str(path))
@@ -140,7 +161,7 @@ def main(args: argparse.Namespace) -> int:
     out_dir = args.out_dir or path.parent / f"{path.stem}-analysis"
     out_dir.mkdir(parents=True, exist_ok=True)
     plots = report.plot(result, out_dir)
-    text = report.markdown(result, path.name, plots)
+    text = report.markdown(result, path.name, plots) + ("\n" + queued if queued else "")
     (out_dir / "analysis.md").write_text(text)
     print(text)
     print(f"wrote {out_dir / 'analysis.md'} and {len(plots)} plots")
