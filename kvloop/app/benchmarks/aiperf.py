@@ -90,7 +90,8 @@ class AgentLoad:
     answer_tokens: int = 64
     think_ms: float = 500.0
     seed: int = 0
-    turns_stddev: float = 0.0
+    turns_stddev: int = 0
+    """In whole turns (AIPerf refuses a fraction)."""
     user_stddev: float = 0.0
     answer_stddev: float = 0.0
     think_stddev_ms: float = 0.0

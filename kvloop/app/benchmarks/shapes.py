@@ -45,7 +45,8 @@ def shaped(shape: Shape, load: AgentLoad) -> AgentLoad:
     """``load`` (the base flags' agent workload at one point) in ``shape``."""
     private = round(load.system_tokens * shape.private_share)
     return replace(load, sessions=load.sessions * shape.sessions_factor,
-                   turns_stddev=load.turns * shape.turns_spread, user_stddev=load.user_tokens * shape.user_spread,
+                   turns_stddev=round(load.turns * shape.turns_spread),  # AIPerf takes whole turns
+                   user_stddev=load.user_tokens * shape.user_spread,
                    answer_stddev=load.answer_tokens * shape.answer_spread,
                    think_stddev_ms=load.think_ms * shape.think_spread,
                    system_tokens=load.system_tokens - private, private_tokens=private)
