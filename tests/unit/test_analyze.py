@@ -17,11 +17,13 @@ from kvloop.router.directory import EngineInfo
 from kvloop.router.outcome import Turn, TurnOutcome
 from kvloop.router.plan import TurnPlan
 from kvloop.router.records import KEY_HEX, RecordWriter, TurnRecord, turn_record
+from kvloop.shared.engine_model import dump_profile
 from kvloop.shared.errors import ConfigError
 from kvloop.shared.hashing import common_prefix_blocks
 from kvloop.shared.protocol import PrefillReport
 from kvloop.shared.vocabulary import Path as TurnPath
 from kvloop.shared.vocabulary import Reason
+from tests.support.fleet import FAKE_PROFILE
 
 BS = 4
 
@@ -221,9 +223,6 @@ def test_conversations_become_records() -> None:
 def test_a_trace_gets_the_fleet_models_queueing_prediction_with_a_profile(tmp_path: Path) -> None:
     """``--profile``: the report adds the trace's TTFT as the fleet model predicts it, labelled predicted, with n and
     the profile's sources; records have no schedule to replay, and a missing profile is refused by name."""
-    from kvloop.shared.engine_model import dump_profile
-    from tests.unit.test_fleet_sim import FAKE_PROFILE
-
     trace = tmp_path / "trace.jsonl"
     trace.write_text("".join(json.dumps({"timestamp": 400 * i, "input_length": 200 + 100 * i, "output_length": 20,
                                          "hash_ids": list(range(2 + i))}) + "\n" for i in range(8)))

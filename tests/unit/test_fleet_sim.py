@@ -16,18 +16,12 @@ from kvloop.app.benchmarks.workload import AgentSpec, Conversation, agent
 from kvloop.app.fleet.broker import BrokerSettings
 from kvloop.app.fleet.figures import TurnResult
 from kvloop.app.fleet.sim import Config, FleetSpec, Replay, build_fleet, simulate, simulate_points
-from kvloop.shared.engine_model import FIGURE_GROUPS, EngineProfile, HostSpec
+from kvloop.shared.engine_model import EngineProfile, HostSpec
 from kvloop.shared.errors import ConfigError
 from kvloop.shared.vocabulary import Path
+from tests.support.fleet import FAKE_PROFILE
 
 PROPS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-FAKE_PROFILE = EngineProfile(
-    name="fake-fleet", step_base_s=0.005, prefill_token_s=1e-4, attention_token_s=1e-5, decode_stream_s=5e-4,
-    decode_context_s=1e-7, max_num_batched_tokens=2048, max_num_seqs=32, block_size=16, kv_pool_blocks=6000,
-    bytes_per_block=65536, pull_latency_s=0.004, pull_bytes_per_s=2e9, router_turn_s=0.003, api_request_s=0.002,
-    source={g: "fake: the fleet tests' figures" for g in FIGURE_GROUPS})
-"""A fake engine for the fleet tests, from no machine."""
 
 SLO = Slo(ttft_ms=1000.0, itl_ms=50.0)
 

@@ -9,7 +9,7 @@ from kvloop.app.benchmarks.aiperf import Slo
 from kvloop.app.fleet.sim import Config, FleetSpec, Replay, build_fleet, simulate_schedules
 from kvloop.app.fleet.trace_load import trace_schedule
 from kvloop.shared.mooncake import TraceRow
-from tests.unit.test_fleet_sim import FAKE_PROFILE
+from tests.support.fleet import FAKE_PROFILE
 
 SLO = Slo(ttft_ms=1000.0, itl_ms=50.0)
 
