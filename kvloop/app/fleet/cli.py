@@ -38,8 +38,6 @@ MIRRORED = ("loads", "ttft_slo_ms", "itl_slo_ms", "turns", "system_tokens", "use
             "think_ms", "sessions_per_load", "min_requests", "prefill_engines", "seed", "trace", "trace_length_scale",
             "trace_block_size", "trace_slow", "trace_seconds", "trace_concurrency")
 """The load bench's flags ``simulate`` takes as they are: their names, types, defaults and help are the load bench's."""
-HELP: dict[str, str] = {}
-"""Where the load bench's help would mislead for ``simulate`` (none now: it replays what the load bench runs)."""
 NOT_MIRRORED = (
     "chat template tokens (role headers, end-of-turn markers) are not in the prompts",
     "an answer's tokens are the next prompt's exactly (the engine re-tokenizes the answer's text)",
@@ -65,7 +63,7 @@ def mirror_load_flags(parser: argparse.ArgumentParser, dests: Iterable[str]) -> 
         if action.dest in wanted:
             # No type is argparse's str: the text as given.
             parser.add_argument(*action.option_strings, type=action.type or str, default=action.default,
-                                help=HELP.get(action.dest, action.help))
+                                help=action.help)
 
 
 def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:

@@ -21,8 +21,9 @@ ends, then the next session starts.
 
 A sweep's points follow one another on the same fleet (:func:`simulate_points`), as the load bench runs them on the
 same engines and broker: what one point leaves cached or retained, the next finds. On a host whose cores the engines
-share (``FleetSpec.host``, CPU engines), every request and routed turn charges the host its CPU beside the engines'
-steps (:mod:`kvloop.shared.engine_model.host`).
+share (``FleetSpec.host``, CPU engines), the client and each engine's API server and EngineCore take a constant share
+of the host, and every routed turn charges it the router's, sidecars' and broker's CPU beside the engines' steps
+(:mod:`kvloop.shared.engine_model.host`).
 """
 
 from __future__ import annotations

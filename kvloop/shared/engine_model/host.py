@@ -2,7 +2,8 @@
 engines' API servers and EngineCore processes, the sidecars and the broker. On a GPU those run on cores the model's
 steps do not need; on a CPU engine (this project's machines) they take time from the steps. Measured at b78629f on
 two cores (``kvloop bench load``'s CPU table): 0.85-0.92 of a core beside the engines' workers, 0.53-0.64 of it
-AIPerf's own polling, the rest per request; the profile, measured on an idle machine, then predicts ITL 10-43% short.
+AIPerf's own polling, 0.07-0.09 each engine's API server and EngineCore whatever the load, the rest per turn; the
+profile, measured on an idle machine, then predicts ITL 10-43% short.
 
 The model (:class:`HostShare`) is a fluid one, time an argument as everywhere in this package:
 
