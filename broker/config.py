@@ -62,6 +62,20 @@ class BrokerConfig(ServiceConfig):
         "retention TTL of a lease once demoted to its engine's host tier (0 = the lease's own TTL)")
     demotion_timeout_s: float = setting(_limit("demotion_timeout_s"),
         "a demotion the engine has not reported done in this long is dropped, its host slots freed")
+    max_sessions: int = setting(_limit("max_sessions"), "sessions: most hinted sessions the broker keeps (memory "
+        "only; a hint past it is refused RESOURCE_EXHAUSTED)")
+    max_sessions_per_owner: int = setting(_limit("max_sessions_per_owner"),
+        "sessions: most hinted sessions one owner (a router's tenant) holds")
+    max_high_sessions_per_owner: int = setting(_limit("max_high_sessions_per_owner"),
+        "sessions: most high-priority sessions one owner holds (a hint past it is granted normal)")
+    max_session_pause_s: float = setting(_limit("max_session_pause_s"),
+        "sessions: longest pause granted (a longer one is granted this long, and the reply says so)")
+    session_resume_margin_s: float = setting(_limit("session_resume_margin_s"),
+        "sessions: a pause keeps the session's leases this long past the stated resume")
+    session_idle_s: float = setting(_limit("session_idle_s"),
+        "sessions: a session not hinted this long (after its pause) is forgotten")
+    session_end_memory_s: float = setting(_limit("session_end_memory_s"),
+        "sessions: an ended session is remembered this long, so its last turn's lease is freed as it arrives")
     eviction_policy: str = setting("cost", "victim choice: cost (cheapest to recompute per block) or lru",
                                    choices=POLICIES)
     recency_half_life_s: float = setting(CostAwarePolicy.recency_half_life_s,
@@ -177,6 +191,14 @@ class BrokerConfig(ServiceConfig):
         self._require(self.host_ttl_s == 0 or self.min_ttl_s <= self.host_ttl_s <= self.max_ttl_s, "host_ttl_s",
                       "must be 0 or lie within min_ttl_s..max_ttl_s")
         self._require(self.demotion_timeout_s > 0, "demotion_timeout_s", "must be positive")
+        for name in ("max_sessions", "max_sessions_per_owner", "session_idle_s", "session_end_memory_s"):
+            self._require(getattr(self, name) > 0, name, "must be positive")
+        self._require(self.max_sessions_per_owner <= self.max_sessions, "max_sessions_per_owner",
+                      "must not exceed max_sessions")
+        self._require(0 <= self.max_high_sessions_per_owner <= self.max_sessions_per_owner,
+                      "max_high_sessions_per_owner", "must lie within 0..max_sessions_per_owner")
+        for name in ("max_session_pause_s", "session_resume_margin_s"):
+            self._require(getattr(self, name) >= 0, name, "must not be negative")
         self._require(0 < self.decode_local_max_share <= 1, "decode_local_max_share", "must be in (0, 1]")
         self._require(1 <= self.least_loaded_candidates <= 64, "least_loaded_candidates", "must be within 1..64")
         check_files(self, "tls_", server=True)

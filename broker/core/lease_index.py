@@ -45,6 +45,9 @@ class LeaseIndex:
             matches = [Match(lease, usable) for lease in self._blocks.holding(keys, usable, leases, eligible)]
         return matches
 
+    def session_lease_ids(self, session_id: str) -> list[str]:
+        return sorted(self._sessions.get(session_id, ())) if session_id else []
+
     def session_engine(self, session_id: str, leases: Mapping[str, Lease]) -> str:
         """The engine of the session's most recently used lease; "" when it has none."""
         held = self._sessions.get(session_id) if session_id else None

@@ -174,6 +174,18 @@ class LeaseBook:
         self.remove(lease)
         return False
 
+    def hold(self, lease: Lease, until: float) -> bool:
+        """Keep the lease at least until ``until`` (a session's pause); True when that moved its expiry."""
+        if lease.pending is not None or until <= lease.expires_at:
+            return False
+        lease.expires_at = until
+        self._schedule(lease)
+        self._journal.put_lease(lease)
+        return True
+
+    def of_session(self, session_id: str) -> list[Lease]:
+        return [self.leases[lid] for lid in self.index.session_lease_ids(session_id)]
+
     def used(self, lease: Lease, now: float) -> None:
         """A pull out of the lease succeeded: a turn used it, so its TTL starts again. A TTL that ran out during the
         pull stays run out, whether or not a tick saw it yet: expiry is deferred by a pin, never cancelled by one."""

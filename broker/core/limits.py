@@ -44,6 +44,19 @@ class Limits:
     """Retention TTL of a lease once demoted to a host tier (0: the lease's own TTL)."""
     demotion_timeout_s: float = 30.0
     """A demotion the engine has not reported in this long is dropped (its host slots freed)."""
+    # Sessions (``broker.core.sessions``): what one caller's hints may hold.
+    max_sessions: int = 100_000
+    max_sessions_per_owner: int = 10_000
+    max_high_sessions_per_owner: int = 64
+    max_session_pause_s: float = 900.0
+    """A longer pause is granted this long: a tool that takes longer is better served by recompute or the host tier
+    than by a pool lease it holds for a quarter of an hour."""
+    session_resume_margin_s: float = 30.0
+    """A pause keeps the leases this long past the stated resume (an agent's estimate of its tool's time)."""
+    session_idle_s: float = 480.0
+    """A session not hinted for this long (after its pause) is forgotten, as a lease's default TTL."""
+    session_end_memory_s: float = 60.0
+    """An ended session is remembered this long, so its last turn's lease, published after the end, is freed."""
 
 
 def check_id(value: str, name: str, limit: int, *, required: bool = True) -> None:

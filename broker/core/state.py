@@ -25,10 +25,20 @@ from kvloop.broker.core.limits import (
     check_publish,
     check_pull,
 )
-from kvloop.broker.core.model import EngineInfo, EngineLoad, EngineRecord, EvictionCommand, Lease, Pin, Plan
+from kvloop.broker.core.model import (
+    EngineInfo,
+    EngineLoad,
+    EngineRecord,
+    EvictionCommand,
+    EvictionReason,
+    Lease,
+    Pin,
+    Plan,
+)
 from kvloop.broker.core.pins import PinBook
 from kvloop.broker.core.placement import PlaceInput, PlacementPolicy
 from kvloop.broker.core.placing import PlacementView
+from kvloop.broker.core.sessions import HintedPolicy, SessionBook, SessionGrant, SessionHint
 from kvloop.broker.core.soft_index import SoftAck, SoftIndex
 
 __all__ = ["BrokerState", "Changes", "Limits", "check_engine_info"]
@@ -48,7 +58,11 @@ class BrokerState:
         self._journal = Journal()
         self._engines = Engines(self.limits, self._journal)
         self._pins = PinBook(self.limits, self._journal, new_id)
-        self._leases = LeaseBook(eviction_policy, self.limits, self._engines, self._pins, self._journal, new_id)
+        self.sessions = SessionBook(self.limits)
+        """What callers said of their sessions: in memory only, never in ``Changes`` (a pause's effect, the leases'
+        later expiries, is)."""
+        self._leases = LeaseBook(HintedPolicy(eviction_policy, self.sessions), self.limits, self._engines,
+                                 self._pins, self._journal, new_id)
         self.soft = SoftIndex(self.limits.soft_index_max_blocks)
         """Each engine's prefix cache as its KV events tell it: in memory only, never in ``Changes``."""
         self.in_flight = InFlight(ttl_s=self.placement_policy.in_flight_ttl_s,
@@ -140,7 +154,12 @@ class BrokerState:
                 num_tokens: int, ttl_s: float, now: float) -> tuple[Lease, list[EvictionCommand]]:
         rec = self._engines.get(engine_id)
         ttl = check_publish(rec, session_id, keys, block_ids, num_tokens, ttl_s, self.limits)
-        return self._leases.publish(rec, session_id, keys, block_ids, num_tokens, ttl, now)
+        lease, commands = self._leases.publish(rec, session_id, keys, block_ids, num_tokens, ttl, now)
+        if self.sessions.ended(session_id):  # the ended session's last turn, published after its end
+            commands += self._leases.evict(lease, EvictionReason.RELEASED, now)
+        else:
+            self._leases.hold(lease, self.sessions.hold_until(session_id, now))
+        return lease, commands
 
     def renew(self, lease_id: str, ttl_s: float, now: float) -> Lease:
         return self._leases.renew(lease_id, ttl_s, now)
@@ -153,6 +172,23 @@ class BrokerState:
     def complete_demotion(self, engine_id: str, lease_id: str, success: bool, now: float) -> Lease | None:
         """The engine's report of a demotion (:meth:`LeaseBook.complete_demotion`); the lease if still retained."""
         return self._leases.complete_demotion(engine_id, lease_id, success)
+
+    # ----------------------------------------------------------------- sessions
+    def hint_session(self, owner: str, session_id: str, hint: SessionHint, now: float
+                     ) -> tuple[SessionGrant, list[EvictionCommand]]:
+        """Apply a caller's hint (:mod:`.sessions`) and act on the session's leases: an end frees them (pinned ones
+        when their pins end), a pause holds them. Returns the grant and the commands issued."""
+        grant = self.sessions.hint(owner, session_id, hint, now)
+        commands: list[EvictionCommand] = []
+        for lease in self._leases.of_session(session_id):
+            if grant.session.ended_at:
+                commands += self._leases.evict(lease, EvictionReason.RELEASED, now)
+            elif grant.session.waiting(now):
+                self._leases.hold(lease, grant.session.hold_until)
+        return grant, commands
+
+    def session_leases(self, session_id: str) -> list[Lease]:
+        return self._leases.of_session(session_id)
 
     # ----------------------------------------------------------------- pins
     def pin(self, reader_engine_id: str, lease_id: str, num_blocks: int, timeout_s: float, now: float) -> Pin:
@@ -182,6 +218,7 @@ class BrokerState:
         for pin in self._pins.due(now):
             self._unpin(pin.pin_id, now)
         self._leases.expire(now)
+        self.sessions.expire(now)
         for engine_id in self._engines.due(now):
             self._drop_engine(engine_id, now)
 
