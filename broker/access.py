@@ -20,7 +20,8 @@ With both on, a token is used when the call carries one. What each role may call
   ``RenewLease`` / ``ReleaseLease`` (for the engine that owns ``lease_id``): only an engine acting for that very
   engine id (and on ``allowed_engines`` when that is set);
 - **router RPCs**: ``Place``, ``PlaceStream``, ``PinBlocks``, ``CompleteTransfer`` (kvloop's router, not the
-  sidecar, reports a transfer's end): routers;
+  sidecar, reports a transfer's end), ``HintSession`` and ``GetSession`` (for the router's callers: the request's
+  ``owner`` is the caller's tenant, which the core holds each session to): routers;
 - ``Inspect``: operators (the whole view) and routers (engines only: no lease, block key, block id or pin);
 - operators may call everything, for any engine (``kvloop broker status``, repairs).
 
@@ -56,7 +57,7 @@ LEASE_RPCS: dict[str, Callable[[Any], str]] = {
     "RenewLease": lambda r: r.lease_id,
     "ReleaseLease": lambda r: r.lease_id,
 }
-ROUTER_RPCS = frozenset({"Place", "PlaceStream", "PinBlocks", "CompleteTransfer"})
+ROUTER_RPCS = frozenset({"Place", "PlaceStream", "PinBlocks", "CompleteTransfer", "HintSession", "GetSession"})
 INSPECT_RPCS = frozenset({"Inspect"})
 
 

@@ -3,6 +3,7 @@ that imports generated code."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from kvloop.broker.core import (
@@ -21,6 +22,7 @@ from kvloop.broker.core import (
     SoftAck,
     Tier,
 )
+from kvloop.broker.core.sessions import Priority, Session, SessionHint
 from kvloop.shared.errors import InvalidArgument
 from kvloop.v1 import broker_pb2 as pb
 
@@ -159,3 +161,30 @@ def engine_status_to_pb(rec: EngineRecord, retained: int, leases: int, cached_bl
 
 def cache_ack_to_pb(ack: SoftAck) -> pb.CacheEventAck:
     return pb.CacheEventAck(reset=ack.reset, cached_blocks=ack.cached_blocks, expected_seq=ack.expected_seq)
+
+
+PRIORITY_FROM_PB: dict[int, Priority | None] = {
+    pb.SESSION_PRIORITY_UNSPECIFIED: None, pb.SESSION_PRIORITY_LOW: Priority.LOW,
+    pb.SESSION_PRIORITY_NORMAL: Priority.NORMAL, pb.SESSION_PRIORITY_HIGH: Priority.HIGH}
+PRIORITY_TO_PB: dict[Priority, Any] = {v: k for k, v in PRIORITY_FROM_PB.items() if v is not None}
+
+
+def hint_from_pb(msg: pb.HintSessionRequest) -> SessionHint:
+    if msg.priority not in PRIORITY_FROM_PB:
+        raise InvalidArgument(f"priority: unknown value {msg.priority}", field="priority")
+    return SessionHint(pause_s=msg.pause_s if msg.HasField("pause_s") else None, end=msg.end,
+                       priority=PRIORITY_FROM_PB[msg.priority],
+                       keep_generated=msg.keep_generated if msg.HasField("keep_generated") else None)
+
+
+def session_to_pb(session_id: str, session: Session | None, leases: Sequence[Lease]) -> pb.SessionState:
+    """A session as it stands: its hints (none when ``session`` is None) and what its leases hold."""
+    state = pb.SessionState(session_id=session_id, leases=len(leases),
+                            blocks=sum(len(x.block_ids) for x in leases),
+                            host_blocks=sum(len(x.block_ids) for x in leases if x.tier is Tier.HOST),
+                            known=session is not None or bool(leases),
+                            priority=PRIORITY_TO_PB[session.priority if session else Priority.NORMAL])
+    if session is not None:
+        state.resume_at_unix, state.hold_until_unix = session.resume_at, session.hold_until
+        state.ended_at_unix = session.ended_at
+    return state

@@ -3,6 +3,7 @@ so the core keeps no metric code; counters and histograms are recorded by the sh
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -33,6 +34,8 @@ class _StateCollector(Collector):
         engines = GaugeMetricFamily("kvloop_broker_engines", "live engines by role", labels=["role"])
         host = GaugeMetricFamily("kvloop_broker_host_tier_blocks", "host-tier slots in use per engine (demoted "
                                  "leases)", labels=["engine"])
+        sessions = GaugeMetricFamily("kvloop_broker_sessions", "sessions callers hinted, by state (active, paused, "
+                                     "ended)", labels=["state"])
         cached = GaugeMetricFamily("kvloop_broker_cached_blocks", "blocks in each engine's soft index (its prefix "
                                    "cache, as its KV events tell it)", labels=["engine"])
         if state is not None:
@@ -47,7 +50,9 @@ class _StateCollector(Collector):
             for role, n in by_role.items():
                 engines.add_metric([role], n)
             pins.add_metric([], len(state.pins))
-        yield from (retained, budget, leases, pins, engines, cached, host)
+            for name, n in state.sessions.counts(time.time()).items():
+                sessions.add_metric([name], n)
+        yield from (retained, budget, leases, pins, engines, cached, host, sessions)
 
 
 class BrokerMetrics:
@@ -74,6 +79,10 @@ class BrokerMetrics:
                                     "incarnation)", ["reason"], registry=self.registry)
         self.rpc_errors = Counter("kvloop_broker_rpc_errors", "RPCs refused, by method and status code",
                                   ["method", "code"], registry=self.registry)
+        self.session_hints = Counter("kvloop_broker_session_hints", "session hints, by hint (pause, end, priority, "
+                                     "keep_generated) and outcome: granted, capped (granted less than asked) or "
+                                     "refused (the hint or the whole call)", ["hint", "outcome"],
+                                     registry=self.registry)
         self.auth_refusals = Counter("kvloop_broker_auth_refusals", "calls refused by authentication or "
                                      "authorization (broker.access), by method and status code", ["method", "code"],
                                      registry=self.registry)

@@ -287,6 +287,45 @@ class BrokerService(broker_pb2_grpc.KVBrokerServicer):
 
         return runtime.read(inspect)
 
+    @rpc("HintSession")
+    async def HintSession(self, request: pb.HintSessionRequest, context: Any) -> pb.SessionState:
+        """A caller's hint on its session (``broker.core.sessions``); the reply says what was granted."""
+        metrics = self.runtime.metrics
+        asked = [name for name, said in (("pause", request.HasField("pause_s")), ("end", request.end),
+                                          ("priority", bool(request.priority)),
+                                          ("keep_generated", request.HasField("keep_generated"))) if said]
+        try:
+            hint = convert.hint_from_pb(request)
+            grant, commands = await self.runtime.mutate(
+                lambda s, now: s.hint_session(request.owner, request.session_id, hint, now))
+        except KvloopError:
+            for name in asked:
+                metrics.session_hints.labels(hint=name, outcome="refused").inc()
+            raise
+        for name in asked:
+            capped = any(r.startswith("pause_s:" if name == "pause" else f"{name}:") for r in grant.refused)
+            outcome = "refused" if capped and name == "keep_generated" else "capped" if capped else "granted"
+            metrics.session_hints.labels(hint=name, outcome=outcome).inc()
+        leases = self.runtime.read(lambda s, now: s.session_leases(request.session_id))
+        reply = convert.session_to_pb(request.session_id, grant.session, leases)
+        reply.pause_granted_s = grant.pause_granted_s
+        reply.refused.extend(grant.refused)
+        reply.released_leases = sum(1 for c in commands if c.lease_id)
+        trace.get_current_span().set_attributes({"kvloop.session_id": request.session_id, "kvloop.hints": asked,
+                                                 "kvloop.refused": list(grant.refused),
+                                                 "kvloop.pause_granted_s": grant.pause_granted_s})
+        log.info("session.hinted", session=request.session_id, hints=asked, pause_granted_s=grant.pause_granted_s,
+                 refused=list(grant.refused), released_leases=reply.released_leases)
+        return reply
+
+    @rpc("GetSession")
+    async def GetSession(self, request: pb.GetSessionRequest, context: Any) -> pb.SessionState:
+        def get(s: BrokerState, now: float) -> pb.SessionState:
+            session = s.sessions.get(request.owner, request.session_id)
+            return convert.session_to_pb(request.session_id, session, s.session_leases(request.session_id))
+
+        return self.runtime.read(get)
+
     async def WatchEvictions(self, request: pb.WatchEvictionsRequest, context: grpc.aio.ServicerContext
                              ) -> AsyncIterator[pb.EvictionCommand]:
         """Replay commands after ``after_seq`` (or a RESYNC), then stream new ones as they are issued."""

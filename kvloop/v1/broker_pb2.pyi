@@ -38,6 +38,13 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     TIER_POOL: _ClassVar[Tier]
     TIER_HOST: _ClassVar[Tier]
+
+class SessionPriority(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SESSION_PRIORITY_UNSPECIFIED: _ClassVar[SessionPriority]
+    SESSION_PRIORITY_LOW: _ClassVar[SessionPriority]
+    SESSION_PRIORITY_NORMAL: _ClassVar[SessionPriority]
+    SESSION_PRIORITY_HIGH: _ClassVar[SessionPriority]
 ENGINE_ROLE_UNSPECIFIED: EngineRole
 ENGINE_ROLE_PREFILL: EngineRole
 ENGINE_ROLE_DECODE: EngineRole
@@ -58,6 +65,10 @@ EVICTION_REASON_ENGINE_GONE: EvictionReason
 EVICTION_REASON_DEMOTION_FAILED: EvictionReason
 TIER_POOL: Tier
 TIER_HOST: Tier
+SESSION_PRIORITY_UNSPECIFIED: SessionPriority
+SESSION_PRIORITY_LOW: SessionPriority
+SESSION_PRIORITY_NORMAL: SessionPriority
+SESSION_PRIORITY_HIGH: SessionPriority
 
 class EngineAddresses(_message.Message):
     __slots__ = ("grpc", "http", "nixl")
@@ -560,3 +571,55 @@ class InspectResponse(_message.Message):
     leader: bool
     now_unix: float
     def __init__(self, engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ..., pins: _Optional[_Iterable[_Union[Pin, _Mapping]]] = ..., store: _Optional[str] = ..., replica_id: _Optional[str] = ..., leader: _Optional[bool] = ..., now_unix: _Optional[float] = ...) -> None: ...
+
+class HintSessionRequest(_message.Message):
+    __slots__ = ("session_id", "owner", "pause_s", "end", "priority", "keep_generated")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_S_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    KEEP_GENERATED_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    owner: str
+    pause_s: float
+    end: bool
+    priority: SessionPriority
+    keep_generated: bool
+    def __init__(self, session_id: _Optional[str] = ..., owner: _Optional[str] = ..., pause_s: _Optional[float] = ..., end: _Optional[bool] = ..., priority: _Optional[_Union[SessionPriority, str]] = ..., keep_generated: _Optional[bool] = ...) -> None: ...
+
+class GetSessionRequest(_message.Message):
+    __slots__ = ("session_id", "owner")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    owner: str
+    def __init__(self, session_id: _Optional[str] = ..., owner: _Optional[str] = ...) -> None: ...
+
+class SessionState(_message.Message):
+    __slots__ = ("session_id", "priority", "resume_at_unix", "hold_until_unix", "ended_at_unix", "leases", "blocks", "host_blocks", "pause_granted_s", "refused", "released_leases", "known")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    RESUME_AT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    HOLD_UNTIL_UNIX_FIELD_NUMBER: _ClassVar[int]
+    ENDED_AT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_GRANTED_S_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_LEASES_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    priority: SessionPriority
+    resume_at_unix: float
+    hold_until_unix: float
+    ended_at_unix: float
+    leases: int
+    blocks: int
+    host_blocks: int
+    pause_granted_s: float
+    refused: _containers.RepeatedScalarFieldContainer[str]
+    released_leases: int
+    known: bool
+    def __init__(self, session_id: _Optional[str] = ..., priority: _Optional[_Union[SessionPriority, str]] = ..., resume_at_unix: _Optional[float] = ..., hold_until_unix: _Optional[float] = ..., ended_at_unix: _Optional[float] = ..., leases: _Optional[int] = ..., blocks: _Optional[int] = ..., host_blocks: _Optional[int] = ..., pause_granted_s: _Optional[float] = ..., refused: _Optional[_Iterable[str]] = ..., released_leases: _Optional[int] = ..., known: _Optional[bool] = ...) -> None: ...

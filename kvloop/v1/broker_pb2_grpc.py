@@ -104,6 +104,16 @@ class KVBrokerStub:
                 request_serializer=kvloop_dot_v1_dot_broker__pb2.InspectRequest.SerializeToString,
                 response_deserializer=kvloop_dot_v1_dot_broker__pb2.InspectResponse.FromString,
                 _registered_method=True)
+        self.HintSession = channel.unary_unary(
+                '/kvloop.v1.KVBroker/HintSession',
+                request_serializer=kvloop_dot_v1_dot_broker__pb2.HintSessionRequest.SerializeToString,
+                response_deserializer=kvloop_dot_v1_dot_broker__pb2.SessionState.FromString,
+                _registered_method=True)
+        self.GetSession = channel.unary_unary(
+                '/kvloop.v1.KVBroker/GetSession',
+                request_serializer=kvloop_dot_v1_dot_broker__pb2.GetSessionRequest.SerializeToString,
+                response_deserializer=kvloop_dot_v1_dot_broker__pb2.SessionState.FromString,
+                _registered_method=True)
 
 
 class KVBrokerServicer:
@@ -200,6 +210,18 @@ class KVBrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def HintSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVBrokerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -272,6 +294,16 @@ def add_KVBrokerServicer_to_server(servicer, server):
                     servicer.Inspect,
                     request_deserializer=kvloop_dot_v1_dot_broker__pb2.InspectRequest.FromString,
                     response_serializer=kvloop_dot_v1_dot_broker__pb2.InspectResponse.SerializeToString,
+            ),
+            'HintSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.HintSession,
+                    request_deserializer=kvloop_dot_v1_dot_broker__pb2.HintSessionRequest.FromString,
+                    response_serializer=kvloop_dot_v1_dot_broker__pb2.SessionState.SerializeToString,
+            ),
+            'GetSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSession,
+                    request_deserializer=kvloop_dot_v1_dot_broker__pb2.GetSessionRequest.FromString,
+                    response_serializer=kvloop_dot_v1_dot_broker__pb2.SessionState.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -652,6 +684,60 @@ class KVBroker:
             '/kvloop.v1.KVBroker/Inspect',
             kvloop_dot_v1_dot_broker__pb2.InspectRequest.SerializeToString,
             kvloop_dot_v1_dot_broker__pb2.InspectResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HintSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvloop.v1.KVBroker/HintSession',
+            kvloop_dot_v1_dot_broker__pb2.HintSessionRequest.SerializeToString,
+            kvloop_dot_v1_dot_broker__pb2.SessionState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvloop.v1.KVBroker/GetSession',
+            kvloop_dot_v1_dot_broker__pb2.GetSessionRequest.SerializeToString,
+            kvloop_dot_v1_dot_broker__pb2.SessionState.FromString,
             options,
             channel_credentials,
             insecure,
