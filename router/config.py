@@ -3,6 +3,7 @@ and a YAML key (``broker``); see :mod:`kvloop.shared.config`."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -120,7 +121,14 @@ class RouterConfig(ServiceConfig):
 
     def api_keys(self) -> list[bytes]:
         """Every accepted API key (``api_key`` and the lines of ``api_key_file``); empty = no key required."""
-        keys = [self.api_key.strip()] if self.api_key.strip() else []
+        return [key for key, _ in self.api_key_tenants()]
+
+    def api_key_tenants(self) -> list[tuple[bytes, str]]:
+        """Every accepted API key with its tenant, whose sessions it owns (``kvloop.router.sessions``): a key file's
+        line ``KEY TENANT`` names it (two keys of one tenant: rotation keeps its sessions); otherwise the key's own
+        fingerprint, ``key-`` and 12 hex digits of its SHA-256."""
+        key = self.api_key.strip()
+        out = [(key.encode(), key_tenant(key))] if key else []
         if self.api_key_file is not None:
             try:
                 lines = Path(self.api_key_file).read_text().splitlines()
@@ -130,8 +138,13 @@ class RouterConfig(ServiceConfig):
             found = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
             if not found:
                 raise ConfigError(f"api_key_file: {self.api_key_file} holds no key", field="api_key_file")
-            keys += found
-        return [key.encode() for key in keys]
+            for line in found:
+                key, *named = line.split(None, 1)
+                tenant = named[0].strip() if named else key_tenant(key)
+                self._require(len(tenant.split()) == 1 and len(tenant) <= 48, "api_key_file",
+                              "a line is KEY or KEY TENANT (a tenant is one word of at most 48 characters)")
+                out.append((key.encode(), tenant))
+        return out
 
     def pool_brokers(self) -> dict[str, str]:
         """``pools`` as model name -> its broker group's addresses (comma-separated); {} without pools. Raises
@@ -158,3 +171,9 @@ class RouterConfig(ServiceConfig):
 
     def urls(self, name: str) -> list[str]:
         return [u.strip().rstrip("/") for u in str(getattr(self, name)).split(",") if u.strip()]
+
+
+def key_tenant(key: str) -> str:
+    """The tenant of an API key the key file names none for: its fingerprint (never the key itself, which would
+    show in logs and traces)."""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]

@@ -36,6 +36,10 @@ class RouterMetrics:
         self.residuals = Gauge("kvloop_router_path_residual_seconds", "This router's measured residual of the "
                                "broker's estimates (seconds to first token beyond the plan's), by kind of path (pd, "
                                "decode_local), as of its last turn of that kind", ["kind"], registry=r)
+        self.session_hints = Counter("kvloop_router_session_hints_total", "Session hints sent to the broker, by "
+                                     "source (turn: on a chat or completions request; rest: /v1/sessions) and "
+                                     "outcome (granted, partly: some part refused or capped, failed)",
+                                     ["source", "outcome"], registry=r)
         self.requests = Counter("kvloop_router_requests_total", "HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)
 

@@ -49,6 +49,9 @@ class Turn:
     as_tokens: dict[str, Any] | None = None
     """The chat request as a completions request of the router's token ids (:mod:`.chat_tokens`); None: sent as
     the client's request."""
+    session: Any = None
+    """The client's session and hints (``router.sessions.SessionCall``; typed ``Any`` as this module needs nothing of
+    the server's); None for a turn made without a request (tests)."""
 
     @property
     def engine_body(self) -> dict[str, Any]:

@@ -56,6 +56,9 @@ class TurnRecord:
     error: str = ""
     v: int = RECORD_VERSION
     timings_ms: dict[str, float] = field(default_factory=dict)
+    hints: dict[str, Any] = field(default_factory=dict)
+    """What the client said of its session with this turn (``router.sessions.SessionHints.said``): sent to the
+    broker as the turn ended."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -105,7 +108,7 @@ class RecordWriter:
 
 
 def turn_record(turn: Any, *, now: float, elapsed_s: float, output_tokens: int, ttft_s: float,
-                error: str) -> TurnRecord:
+                error: str, hints: dict[str, Any] | None = None) -> TurnRecord:
     """The record of a finished turn (``router.outcome.Turn``; typed ``Any`` so this module needs nothing of the
     turn's modules). ``now``: wall-clock seconds at the end; ``elapsed_s``: the turn's duration."""
     plan, report = turn.plan, turn.done
@@ -118,4 +121,4 @@ def turn_record(turn: Any, *, now: float, elapsed_s: float, output_tokens: int, 
         computed_tokens=report.computed_tokens, pulled_bytes=report.pulled_bytes, pull_ms=report.pull_ms,
         ttft_ms=round(ttft_s * 1e3, 3), prefill_engine=turn.outcome.prefill_engine,
         decode_engine=turn.decode.engine_id, model=plan.model, error=error,
-        timings_ms=dict(turn.outcome.timings_ms))
+        timings_ms=dict(turn.outcome.timings_ms), hints=dict(hints or {}))

@@ -28,6 +28,16 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvloop.router.config import RouterConfig
 from kvloop.router.metrics import RouterMetrics
+from kvloop.router.session_calls import session_json
+from kvloop.router.sessions import (
+    SessionCall,
+    SessionError,
+    SessionHints,
+    check_session_id,
+    rest_hints,
+    scoped,
+    session_call,
+)
 from kvloop.router.turn import Turn, TurnError, TurnRunner
 from kvloop.shared import headers as hdr
 from kvloop.shared.config import parse_host_port
@@ -86,9 +96,13 @@ def timing_ms(turn: Turn) -> dict[str, float]:
     return out
 
 
-def session_hint(request: web.Request, body: dict[str, Any]) -> str:
-    hint = request.headers.get(hdr.SESSION_ID) or body.get("session_id") or body.get("user") or ""
-    return str(hint)[:256]
+def session_of(request: web.Request, body: dict[str, Any]) -> SessionCall:
+    """The turn's session and hints (:mod:`kvloop.router.sessions`), scoped by the caller's tenant; a 400 naming
+    the field the router cannot take."""
+    try:
+        return session_call(request.headers, body, request.get(TENANT, ""))
+    except SessionError as exc:
+        raise TurnError(400, str(exc), "invalid_request_error", exc.field) from None
 
 
 def validate(kind: str, body: Any, model: str) -> dict[str, Any]:
@@ -199,8 +213,10 @@ class RouterApp:
         endpoint = "chat" if kind == "chat" else "completions"
         try:
             body = validate(kind, await self.read_body(request), self.served_model())
+            session = session_of(request, body)
             runner = self.runner_for(body)
-            turn = await runner.prepare(kind, body, session_hint(request, body))
+            turn = await runner.prepare(kind, body, session.scoped_id)
+            turn.session = session
         except TurnError as exc:
             self.metrics.requests.labels(endpoint, str(exc.status)).inc()
             return error_response(exc)
@@ -255,6 +271,57 @@ class RouterApp:
         await response.write_eof()
         return response
 
+    # ----------------------------------------------------------------- /v1/sessions/{id}
+    def session_path(self, request: web.Request) -> SessionCall:
+        tenant = request.get(TENANT, "")
+        try:
+            session_id = check_session_id(request.match_info["session_id"], "session_id")
+        except SessionError as exc:
+            raise TurnError(400, str(exc), "invalid_request_error", exc.field) from None
+        return SessionCall(session_id, scoped(tenant, session_id), tenant, None)
+
+    async def session_call(self, request: web.Request, action: str) -> web.Response:
+        """GET reads the caller's session, POST hints it (a JSON object of hints), DELETE ends it; with pools, at
+        every pool's broker."""
+        try:
+            call = self.session_path(request)
+            desks = [r.sessions for r in self.runners.values()]
+            if action in ("get", "end"):  # ending what the caller does not hold is a 404, as reading it is
+                states = [await desk.get(call) for desk in desks]
+                if not any(state.known for state in states):
+                    raise TurnError(404, f"session_id: no session {call.session_id!r} of this caller",
+                                    "invalid_request_error", "session_id")
+            if action != "get":
+                hints = SessionHints(end=True) if action == "end" else rest_hints(await self.read_body(request))
+                states = [await desk.hint(call, hints, "rest") for desk in desks]
+        except SessionError as exc:
+            self.metrics.requests.labels("sessions", "400").inc()
+            return error_response(TurnError(400, str(exc), "invalid_request_error", exc.field))
+        except TurnError as exc:
+            self.metrics.requests.labels("sessions", str(exc.status)).inc()
+            return error_response(exc)
+        self.metrics.requests.labels("sessions", "200").inc()
+        known = [state for state in states if state.known] or states
+        reply = session_json(call, known[0])
+        for key in ("leases", "blocks", "host_blocks"):
+            reply[key] = sum(getattr(state, key) for state in states)
+        if action == "end":
+            reply.update(object="session.deleted", deleted=True,
+                         released_leases=sum(state.released_leases for state in states))
+        elif action == "hint":
+            reply.update(pause_granted_s=min(state.pause_granted_s for state in states),
+                         refused=sorted({r for state in states for r in state.refused}))
+        return web.json_response(reply)
+
+    async def get_session(self, request: web.Request) -> web.Response:
+        return await self.session_call(request, "get")
+
+    async def hint_session(self, request: web.Request) -> web.Response:
+        return await self.session_call(request, "hint")
+
+    async def end_session(self, request: web.Request) -> web.Response:
+        return await self.session_call(request, "end")
+
     async def models(self, request: web.Request) -> web.Response:
         if self.pooled:
             names = set(self.runners)
@@ -297,9 +364,14 @@ def unauthorized(message: str) -> web.Response:
     return web.json_response(body, status=401, headers={"WWW-Authenticate": 'Bearer realm="kvloop"'})
 
 
-def api_key_middleware(keys: list[bytes], open_paths: frozenset[str], metrics: RouterMetrics) -> Any:
-    """Require ``Authorization: Bearer KEY`` (one of ``keys``) on every path but ``open_paths``. Each accepted key
-    is compared in constant time (``hmac.compare_digest``), all of them every time."""
+TENANT = web.RequestKey("kvloop_tenant", str)
+"""The request's key: the caller's tenant (``RouterConfig.api_key_tenants``); absent without API keys."""
+
+
+def api_key_middleware(keys: list[tuple[bytes, str]], open_paths: frozenset[str], metrics: RouterMetrics) -> Any:
+    """Require ``Authorization: Bearer KEY`` (one of ``keys``, each with its tenant) on every path but
+    ``open_paths``. Each accepted key is compared in constant time (``hmac.compare_digest``), all of them every
+    time. The matching key's tenant goes on the request (:data:`TENANT`)."""
 
     @web.middleware
     async def check(request: web.Request, handler: Any) -> web.StreamResponse:
@@ -310,13 +382,15 @@ def api_key_middleware(keys: list[bytes], open_paths: frozenset[str], metrics: R
             metrics.requests.labels("auth", "401").inc()
             return unauthorized("You didn't provide an API key. Send it as 'Authorization: Bearer KEY'.")
         given = token.strip().encode()
-        matched = False
-        for key in keys:
-            matched |= hmac.compare_digest(given, key)
-        if not matched:
+        tenant = None
+        for key, name in keys:
+            if hmac.compare_digest(given, key) and tenant is None:
+                tenant = name
+        if tenant is None:
             metrics.requests.labels("auth", "401").inc()
             log.info("router.bad_api_key", path=request.path, peer=request.remote)
             return unauthorized("Incorrect API key provided.")
+        request[TENANT] = tenant
         return await handler(request)
 
     return check
@@ -335,11 +409,13 @@ async def start_router(config: RouterConfig) -> RunningRouter:
                if pools else {config.model: TurnRunner(config, http, metrics)})
     await asyncio.gather(*(r.refresh() for r in runners.values()))
     app = RouterApp(config, runners, metrics)
-    keys = config.api_keys()
+    keys = config.api_key_tenants()
     middlewares = [api_key_middleware(keys, config.open_path_set(), metrics)] if keys else []
     web_app = web.Application(client_max_size=config.max_request_bytes + 1024, middlewares=middlewares)
     web_app.add_routes([web.post("/v1/chat/completions", app.chat), web.post("/v1/completions", app.completions),
-                        web.get("/v1/models", app.models), web.get("/health", app.health),
+                        web.get("/v1/models", app.models), web.get("/v1/sessions/{session_id}", app.get_session),
+                        web.post("/v1/sessions/{session_id}", app.hint_session),
+                        web.delete("/v1/sessions/{session_id}", app.end_session), web.get("/health", app.health),
                         web.get("/metrics", app.metrics_endpoint), web.route("*", "/{tail:.*}", app.not_found)])
     web_runner = web.AppRunner(web_app, access_log=None, shutdown_timeout=10.0)
     await web_runner.setup()

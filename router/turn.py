@@ -52,6 +52,7 @@ from kvloop.router.plan import (
 )
 from kvloop.router.records import RecordWriter, turn_record
 from kvloop.router.resume import StreamLedger, relayed_data
+from kvloop.router.session_calls import SessionDesk
 from kvloop.router.tokenizer import RouterTokenizer
 from kvloop.shared.client import plan_attributes, transfer_params
 from kvloop.shared.protocol import SESSION_KEY, PrefillReport, decode_local_params, prefill_only_params
@@ -97,6 +98,7 @@ class TurnRunner:
         """Called as a TRANSFER's prefill request (the one that pulls) is about to go out: ``kvloop bench chaos``
         kills the puller or the source there, to fail a pull in flight. None in service."""
         self.records = RecordWriter(config.records_path) if config.records_path else None
+        self.sessions = SessionDesk(self.placer.broker, metrics)
 
     async def refresh(self) -> None:
         await self.placer.refresh()
@@ -107,6 +109,7 @@ class TurnRunner:
             await asyncio.sleep(self.config.refresh_s)
 
     async def close(self) -> None:
+        await self.sessions.close()
         if self.records is not None:
             self.records.close()
         await self.placer.close()
@@ -342,6 +345,9 @@ class TurnRunner:
             "kvloop.recomputed_tokens": report.computed_tokens, "kvloop.ttft_ms": round(ttft_s * 1e3, 3),
             "kvloop.prefill_engine": turn.outcome.prefill_engine, "kvloop.decode_engine": turn.decode.engine_id,
             "gen_ai.usage.output_tokens": output_tokens})
+        hints = turn.session.hints.said if turn.session is not None and turn.session.hints is not None else {}
+        if hints:
+            turn.span.set_attribute("kvloop.session_hints", [f"{k}={v}" for k, v in sorted(hints.items())])
         if error:
             turn.span.set_status(trace.Status(trace.StatusCode.ERROR, error))
         else:
@@ -349,10 +355,11 @@ class TurnRunner:
         turn.span.end()
         if self.records is not None:
             self.records.write(turn_record(turn, now=time.time(), elapsed_s=time.perf_counter() - turn.started,
-                                           output_tokens=output_tokens, ttft_s=ttft_s, error=error))
+                                           output_tokens=output_tokens, ttft_s=ttft_s, error=error, hints=hints))
         self.metrics.turn_finished(path, plan.path, plan.reason, outcome, report, ttft_s)
         log.info("router.turn", session=plan.session or None, path=path, planned=plan.path, reason=plan.reason,
                  outcome=outcome, prompt_tokens=plan.prompt_tokens, local_tokens=report.local_tokens,
                  pulled_tokens=report.pulled_tokens, computed_tokens=report.computed_tokens,
                  prefill_engine=turn.outcome.prefill_engine or None, decode_engine=turn.decode.engine_id,
-                 ttft_ms=round(ttft_s * 1e3, 1), error=error or None)
+                 ttft_ms=round(ttft_s * 1e3, 1), error=error or None, hints=hints or None)
+        self.sessions.after_turn(turn.session)

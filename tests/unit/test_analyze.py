@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from kvloop.app.analyze import costs, load, retention, shape
 from kvloop.app.analyze.analysis import Options, analyze
 from kvloop.app.analyze.main import main as analyze_main
+from kvloop.app.analyze.report import hints_said
 from kvloop.app.analyze.retention import Fleet, Setting
 from kvloop.app.analyze.verdict import verdict
 from kvloop.app.cli import build_parser
@@ -239,3 +241,14 @@ def test_a_trace_gets_the_fleet_models_queueing_prediction_with_a_profile(tmp_pa
         with pytest.raises(ConfigError) as err:
             analyze_main(build_parser().parse_args(["analyze", str(path), "--profile", str(prof)]))
         assert err.value.field == "profile"
+
+
+def test_the_report_says_what_sessions_hinted() -> None:
+    base = TurnRecord(t=0.0, t_end=1.0, session="s", prompt_tokens=0, block_size=16, keys=())
+    assert hints_said([base]) == ""
+    records = [base, replace(base, hints={"pause_s": 40.0}),
+               replace(base, hints={"pause_s": 100.0, "priority": "high"}), replace(base, hints={"end": True}),
+               replace(base, hints={"keep_generated": False})]
+    text = hints_said(records)
+    assert "4 turns said something" in text and "2 paused (median 40 s, max 100 s)" in text
+    assert "1 ended" in text and "1 said high priority" in text and "1 said their answer will not be repeated" in text

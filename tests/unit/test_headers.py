@@ -12,8 +12,11 @@ from kvloop.shared.http import sse_measured
 from kvloop.shared.protocol import PrefillReport
 from kvloop.v1 import broker_pb2 as pb
 
+REQUEST_HEADERS = {"SESSION_ID": "x-session-id", "SESSION_PAUSE": "x-session-pause-s", "SESSION_END": "x-session-end",
+                   "SESSION_PRIORITY": "x-session-priority", "SESSION_KEEP_GENERATED": "x-session-keep-generated"}
+"""What a client sends (docs/sessions.md): its session and its hints."""
 REPLY_HEADERS = {name: value for name, value in vars(hdr).items()
-                 if name.isupper() and name not in ("PREFIX", "SESSION_ID")}
+                 if name.isupper() and name != "PREFIX" and name not in REQUEST_HEADERS}
 
 WIRE = {  # the spelling clients have always read: changing one breaks them
     "x-kvloop-decision", "x-kvloop-planned", "x-kvloop-reason", "x-kvloop-decode-local-veto",
@@ -41,7 +44,7 @@ def a_turn() -> Turn:
 def test_the_names_are_the_wire_spelling_once_each() -> None:
     assert set(REPLY_HEADERS.values()) == WIRE and len(REPLY_HEADERS) == len(WIRE)
     assert all(name.startswith(hdr.PREFIX) and name == name.lower() for name in WIRE)
-    assert hdr.SESSION_ID == "x-session-id"
+    assert {name: getattr(hdr, name) for name in REQUEST_HEADERS} == REQUEST_HEADERS
     assert hdr.field("X-Kvloop-Pulled-Tokens") == "pulled-tokens" and hdr.header("pulled-tokens") == hdr.PULLED_TOKENS
     assert hdr.of_reply({"X-Kvloop-Decision": "TRANSFER", "content-type": "x"}) == {"decision": "TRANSFER"}
 

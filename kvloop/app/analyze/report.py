@@ -10,6 +10,7 @@ from kvloop.app.analyze.analysis import Analysis
 from kvloop.app.analyze.costs import ModelCheck
 from kvloop.app.analyze.stats import quantile, spread
 from kvloop.app.analyze.verdict import ENOUGH_HITS
+from kvloop.router.records import TurnRecord
 
 
 def _row(cells: Sequence[object]) -> str:
@@ -18,6 +19,24 @@ def _row(cells: Sequence[object]) -> str:
 
 def _mb(n: float) -> str:
     return f"{n / 2**20:.2f} MiB"
+
+
+def hints_said(records: Sequence[TurnRecord]) -> str:
+    """What the turns' clients said of their sessions (docs/sessions.md), as a sentence; "" when none said anything.
+    The replay below does not act on them: it prices the broker's eviction without hints."""
+    said = [r.hints for r in records if r.hints]
+    if not said:
+        return ""
+    pauses = [float(h["pause_s"]) for h in said if "pause_s" in h]
+    parts = [f"{len(pauses)} paused (median {quantile(pauses, 0.5):.0f} s, max {max(pauses):.0f} s)"] if pauses else []
+    parts += [f"{n} {what}" for what, n in (
+        ("ended", sum(1 for h in said if h.get("end"))),
+        ("said low priority", sum(1 for h in said if h.get("priority") == "low")),
+        ("said high priority", sum(1 for h in said if h.get("priority") == "high")),
+        ("said their answer will not be repeated", sum(1 for h in said if h.get("keep_generated") is False)))
+        if n]
+    return (f" Session hints: {len(said)} turns said something ({', '.join(parts) or 'normal priority only'}); the "
+            "replay below does not act on them.")
 
 
 def markdown(a: Analysis, source: str, plots: list[str]) -> str:
@@ -30,7 +49,7 @@ def markdown(a: Analysis, source: str, plots: list[str]) -> str:
            f"p90 {quantile(lengths, 0.9):.0f}, max {max(lengths, default=0)}. Gap between a turn's end and its "
            f"session's next turn (s): p50 {quantile(a.gaps, 0.5):.2f}, p90 {quantile(a.gaps, 0.9):.2f}, "
            f"max {max(a.gaps, default=0.0):.2f}. Prompt tokens reusable from earlier turns (nothing evicted): "
-           f"{a.reuse_share:.1%}.", "",
+           f"{a.reuse_share:.1%}.{hints_said(a.records)}", "",
            "### Prefix share by turn", "",
            "The share of each turn's prompt (whole blocks, from its start) that repeats the previous turn's prompt; "
            "a lower bound: the previous answer's blocks have no keys in the records.", "",
