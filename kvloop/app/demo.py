@@ -71,7 +71,8 @@ async def run_demo(router_url: str, *, model: str = "", turns: int = 6, max_toke
             async with http.get(f"{router_url}/v1/models") as reply:
                 model = (await reply.json())["data"][0]["id"]
         messages = [{"role": "system", "content": DEMO_SYSTEM}]
-        print(f"\nkvloop demo: an agent session of {turns} turns through {router_url} (model {model})")
+        print(f"\nkvloop demo: an agent session of {turns} turns through {router_url} (model {model}); each turn "
+              f"says its tool's pause ({hdr.SESSION_PAUSE}), the last one ends the session ({hdr.SESSION_END})")
         print(f"{'turn':>4} {'context':>7} {'path':<13} {'reason':<20} {'local':>6} {'pulled':>6} {'computed':>8} "
               f"{'engines':<22} {'TTFT ms':>8}")
         for turn in range(turns):
@@ -79,8 +80,10 @@ async def run_demo(router_url: str, *, model: str = "", turns: int = 6, max_toke
             body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
             t0 = time.perf_counter()
             ttft, text, measured = 0.0, [], None
+            # The agent says what it will need (docs/sessions.md): the tool run before its next turn, or its end.
+            hints = {hdr.SESSION_END: "true"} if turn == turns - 1 else {hdr.SESSION_PAUSE: f"{tool_time_s:g}"}
             async with http.post(f"{router_url}/v1/chat/completions", json=body,
-                                 headers={hdr.SESSION_ID: "demo-agent"}) as reply:
+                                 headers={hdr.SESSION_ID: "demo-agent", **hints}) as reply:
                 if reply.status != 200:
                     raise RuntimeError(f"turn {turn + 1}: router answered {reply.status}: {await reply.text()}")
                 h = reply.headers

@@ -7,7 +7,15 @@ import statistics
 
 import pytest
 
-from kvloop.app.benchmarks.multiturn import TurnRecord, breakdown, ratios, sizing, tier_recovery, timing
+from kvloop.app.benchmarks.multiturn import (
+    TurnRecord,
+    breakdown,
+    ratios,
+    session_hints,
+    sizing,
+    tier_recovery,
+    timing,
+)
 from kvloop.app.benchmarks.stats import (
     HEALTH_FACTOR,
     health,
@@ -19,6 +27,7 @@ from kvloop.app.benchmarks.stats import (
     spread,
 )
 from kvloop.app.benchmarks.workload import AgentSpec, agent
+from kvloop.shared import headers as hdr
 
 
 def test_a_percentile_over_too_few_samples_is_not_the_maximum() -> None:
@@ -101,6 +110,17 @@ def test_sizing_gives_every_prefill_engine_room_for_concurrent_prompts() -> None
     size = sizing(convs, 0, concurrency=3, pressure=False)
     assert size.notes["prefill_room_for_longest_prompts"] >= 3 and size.decode_blocks is None
     assert sizing(convs, 0, concurrency=3, pressure=True).decode_blocks is not None
+    half, quarter = (sizing(convs, 0, 3, pressure=True, retention_share=f) for f in (0.5, 0.25))
+    assert quarter.notes["decode_retention_budget_blocks"] < half.notes["decode_retention_budget_blocks"]
+    assert quarter.decode_blocks is not None and half.decode_blocks is not None
+    assert quarter.decode_blocks < half.decode_blocks
+
+
+def test_a_hinting_agent_says_each_tool_pause_then_its_end() -> None:
+    conv = agent(AgentSpec(sessions=1, turns_min=3, turns_max=3, seed=2))[0]
+    said = [session_hints(conv, turn, 0.0) for turn in range(conv.turns)]
+    assert said[-1] == {hdr.SESSION_END: "true"}
+    assert [float(h[hdr.SESSION_PAUSE]) for h in said[:-1]] == pytest.approx(conv.think_s[:2], abs=1e-3)
 
 
 def test_the_breakdown_reads_the_routers_timing_and_keeps_what_is_left() -> None:

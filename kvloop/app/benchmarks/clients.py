@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,7 +99,10 @@ class Client:
         return {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                 "ignore_eos": True}
 
-    async def turn(self, conv: str, prompt: list[int], max_tokens: int) -> Served:
+    async def turn(self, conv: str, prompt: list[int], max_tokens: int,
+                   hints: Mapping[str, str] | None = None) -> Served:
+        """Serve one turn; ``hints``: the session hints an agent would send with it (headers), which only a client
+        that sends them (``RouterClient(hints=True)``) passes on."""
         raise NotImplementedError
 
 
@@ -121,7 +125,8 @@ class OneWayClient(Client):
             "kv_transfer_params") or {})
         return returned, PrefillReport.pop_from(returned), url
 
-    async def turn(self, conv: str, prompt: list[int], max_tokens: int) -> Served:
+    async def turn(self, conv: str, prompt: list[int], max_tokens: int,
+                   hints: Mapping[str, str] | None = None) -> Served:
         t0 = time.perf_counter()
         params, report, prefill = await self.prefill(prompt, prefill_only_params())
         ids, ttft, itl, _ = await stream(self.http, f"{self.decode}/v1/completions",
@@ -141,7 +146,8 @@ class UpstreamClient(OneWayClient):
         super().__init__(*args)
         self.retained: dict[str, dict[str, Any]] = {}
 
-    async def turn(self, conv: str, prompt: list[int], max_tokens: int) -> Served:
+    async def turn(self, conv: str, prompt: list[int], max_tokens: int,
+                   hints: Mapping[str, str] | None = None) -> Served:
         t0 = time.perf_counter()
         params = prefill_only_params()
         kept = self.retained.pop(conv, None)
@@ -164,15 +170,18 @@ class UpstreamClient(OneWayClient):
 class RouterClient(Client):
     """kvloop: the router (streamed), with the session id as a hint; its ``x-kvloop-*`` headers kept."""
 
-    def __init__(self, http: aiohttp.ClientSession, model: str, timeout_s: float, router: str) -> None:
+    def __init__(self, http: aiohttp.ClientSession, model: str, timeout_s: float, router: str,
+                 hints: bool = False) -> None:
         super().__init__(http, model, timeout_s)
-        self.router = router
+        self.router, self.hints = router, hints
 
-    async def turn(self, conv: str, prompt: list[int], max_tokens: int) -> Served:
+    async def turn(self, conv: str, prompt: list[int], max_tokens: int,
+                   hints: Mapping[str, str] | None = None) -> Served:
         t0 = time.perf_counter()
         ids, ttft, itl, headers = await stream(self.http, f"{self.router}/v1/completions",
                                                self.body(prompt, max_tokens), t0, self.timeout_s,
-                                               headers={hdr.SESSION_ID: conv})
+                                               headers={hdr.SESSION_ID: conv,
+                                                        **(hints if hints and self.hints else {})})
         detail = hdr.of_reply(headers)
         return Served(ids, ttft, time.perf_counter() - t0, detail.get(hdr.field(hdr.DECISION), "?"), itl,
                       headers=detail, prefill_engine=detail.get(hdr.field(hdr.PREFILL_ENGINE), ""),
@@ -186,7 +195,8 @@ class AggregatedClient(Client):
         super().__init__(http, model, timeout_s)
         self.engine = engine
 
-    async def turn(self, conv: str, prompt: list[int], max_tokens: int) -> Served:
+    async def turn(self, conv: str, prompt: list[int], max_tokens: int,
+                   hints: Mapping[str, str] | None = None) -> Served:
         t0 = time.perf_counter()
         # Usage at the stream's end (after the last token): the engine's prefix-cache hit, so the stall check
         # (kvloop.app.benchmarks.stalls) knows what the turn computed.

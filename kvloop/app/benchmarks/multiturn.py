@@ -67,6 +67,7 @@ from kvloop.app.cluster import LocalCluster
 from kvloop.app.engine_set import EngineSet, start_engines
 from kvloop.engines.config import EngineConfig, default_work_dir, is_cpu_build, role_cores
 from kvloop.engines.model import ensure_tiny_model
+from kvloop.shared import headers as hdr
 from kvloop.shared.http import engine_client_connector, metric_by_label, metric_total, read_metrics
 from kvloop.shared.vocabulary import Role
 
@@ -76,6 +77,9 @@ PRESSURE = ("upstream_pressure", "kvloop_pressure", "kvloop_pressure_tier")
 """``--pressure``: the decode engine retains about half the working set; ``kvloop_pressure_tier`` is
 ``kvloop_pressure`` with a host tier as large as the decode engine's pool (its KV allocation doubled, vLLM's pool
 the same), so evictions for room demote instead of dropping."""
+HINTED = ("kvloop_pressure_hints",)
+"""``kvloop_pressure`` whose clients say what they will need (docs/sessions.md): before each tool run the pause it
+will take (``x-session-pause-s``, the workload's own think time), and the end with the session's last turn."""
 LATE_TOKENS = 8000
 BREAKDOWN_STEPS = ("tokenize", "place", "publication_wait", "pin", "prefill_queue", "pull", "prefill_compute",
                    "prefill_http", "decode_first", "router_other")
@@ -149,10 +153,11 @@ def prefill_engines_problem(n: int) -> str:
     return "" if 1 <= n <= 8 else "--prefill-engines: must be within 1..8"
 
 
-def sizing(conversations: list[Conversation], answer: int, concurrency: int, pressure: bool) -> Sizing:
+def sizing(conversations: list[Conversation], answer: int, concurrency: int, pressure: bool,
+           retention_share: float = 0.5) -> Sizing:
     """Prefill engines: room for ``concurrency`` longest prompts (none waits for blocks only a timeout frees), and
     at least a quarter of the histories (their prefix caches churn as in production). Under pressure the decode
-    engine can retain about half the working set."""
+    engine can retain ``retention_share`` of the working set (its pool holds that beside its running prompts)."""
     lengths = [len(c.prefix) + sum(map(len, c.new_tokens)) + sum(c.answer(t, answer) for t in range(c.turns))
                for c in conversations]
     max_len = int(math.ceil((max(lengths) + answer + BLOCK) / BLOCK) * BLOCK)
@@ -161,8 +166,8 @@ def sizing(conversations: list[Conversation], answer: int, concurrency: int, pre
     prefill = max(one * concurrency, math.ceil(total / 4))
     decode, fraction = None, 0.5
     if pressure:
-        decode = one * concurrency + math.ceil(total / 2)
-        fraction = max(0.05, min(1.0, (total / 2) / decode))
+        decode = one * concurrency + math.ceil(total * retention_share)
+        fraction = max(0.05, min(1.0, (total * retention_share) / decode))
     return Sizing(max_len, prefill, decode, fraction, {
         "history_blocks_total": total, "prefill_blocks_each": prefill, "longest_prompt_blocks": one,
         "prefill_room_for_longest_prompts": prefill // one, "decode_blocks": decode,
@@ -243,7 +248,7 @@ def client_for(name: str, http: aiohttp.ClientSession, model: str, timeout_s: fl
                cluster: LocalCluster | None) -> Client:
     if cluster is not None:
         assert cluster.router is not None
-        return RouterClient(http, model, timeout_s, cluster.router.url)
+        return RouterClient(http, model, timeout_s, cluster.router.url, hints=name in HINTED)
     if name.startswith("ideal"):
         return AggregatedClient(http, model, timeout_s, engines.by_id("both-0").url)
     prefills = [e.url for e in engines.of_role(Role.PREFILL)]
@@ -272,7 +277,8 @@ async def run_workload(config: str, repeat: int, client: Client, conversations: 
                                         "turn": i + 1, "context_tokens": len(prompt)}
                 sent = time.perf_counter() - began
                 try:
-                    served: Served = await client.turn(conv.conversation_id, prompt, conv.answer(i, answer))
+                    served: Served = await client.turn(conv.conversation_id, prompt, conv.answer(i, answer),
+                                                       session_hints(conv, i, think_s))
                     gaps.extend(served.itl_s)
                     itl = sorted(served.itl_s)
                     records.append(TurnRecord(
@@ -292,6 +298,13 @@ async def run_workload(config: str, repeat: int, client: Client, conversations: 
 
     await asyncio.gather(*(one(c) for c in conversations))
     return records, gaps
+
+
+def session_hints(conv: Conversation, turn: int, think_s: float) -> dict[str, str]:
+    """What an agent that knows its plan says with ``turn`` (0-based): the tool run that follows it, or the end."""
+    if turn + 1 >= len(conv.new_tokens):
+        return {hdr.SESSION_END: "true"}
+    return {hdr.SESSION_PAUSE: f"{conv.think(turn, think_s):.3f}"}
 
 
 def engine_snapshot(urls: list[str], token_urls: list[str]) -> dict[str, float]:
@@ -506,13 +519,14 @@ RATIOS = {  # name: (numerator config, denominator config, metric, quantile)
 }
 
 
-def tier_recovery(records: list[TurnRecord], block: int = BLOCK) -> dict[str, Any] | None:
-    """What retention pressure cost and what the host tier won back, turn by turn: each turn measured in ``kvloop``
-    (no pressure), ``kvloop_pressure`` and ``kvloop_pressure_tier`` in the same repeat is *recomputed under
-    pressure* when pressure made it compute at least one block more than without it (its history's lease was
-    evicted), and *served by reuse* with the tier when the tier's run computed less than a block more than without
-    pressure. Counts come from the router's ``computed-tokens`` header. None when the run lacks a configuration."""
-    runs = ("kvloop", "kvloop_pressure", "kvloop_pressure_tier")
+def tier_recovery(records: list[TurnRecord], block: int = BLOCK, fix: str = "kvloop_pressure_tier",
+                  label: str = "tier") -> dict[str, Any] | None:
+    """What retention pressure cost and what the host tier (or ``fix``) won back, turn by turn: each turn measured
+    in ``kvloop`` (no pressure), ``kvloop_pressure`` and ``fix`` in the same repeat is *recomputed under pressure*
+    when pressure made it compute at least one block more than without it (its history's lease was evicted), and
+    *served by reuse* with ``fix`` when that run computed less than a block more than without pressure. Counts come
+    from the router's ``computed-tokens`` header. None when the run lacks a configuration."""
+    runs = ("kvloop", "kvloop_pressure", fix)
     by = {(r.config, r.repeat, r.conversation, r.turn): r for r in records if not r.error and r.config in runs}
     keys = {k[1:] for k in by}
     complete = sorted(k for k in keys if all((c, *k) in by for c in runs))
@@ -523,12 +537,12 @@ def tier_recovery(records: list[TurnRecord], block: int = BLOCK) -> dict[str, An
         return int(by[(config, *key)].detail.get("computed-tokens", 0))
 
     lost = [k for k in complete if computed("kvloop_pressure", k) - computed("kvloop", k) >= block]
-    won = [k for k in lost if computed("kvloop_pressure_tier", k) - computed("kvloop", k) < block]
-    tier_lost = [k for k in complete if computed("kvloop_pressure_tier", k) - computed("kvloop", k) >= block]
+    won = [k for k in lost if computed(fix, k) - computed("kvloop", k) < block]
+    fix_lost = [k for k in complete if computed(fix, k) - computed("kvloop", k) >= block]
     return {"turns_compared": len(complete), "recomputed_under_pressure": len(lost),
-            "served_by_reuse_with_tier": len(won),
+            f"served_by_reuse_with_{label}": len(won),
             "share_served_by_reuse": round(len(won) / len(lost), 3) if lost else None,
-            "recomputed_with_tier": len(tier_lost),
+            f"recomputed_with_{label}": len(fix_lost),
             "extra_tokens_computed": {c: sum(computed(c, k) - computed("kvloop", k) for k in complete)
                                       for c in runs[1:]}}
 
@@ -660,6 +674,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         return {"partial": partial, "repeats_done": len(per_repeat), "configs": summary,
                 "ratios": {k: v["median"] for k, v in ratio_spreads.items()}, "ratio_spreads": ratio_spreads,
                 "withheld_ratios": withheld, "markdown": table(summary), "tier_recovery": tier_recovery(records),
+                "hint_recovery": tier_recovery(records, fix="kvloop_pressure_hints", label="hints"),
                 "workload": {**shape, "sizing": sizes, "late_turn_tokens": args.late_tokens, "repeats": args.repeat,
                              "replay": str(args.replay) if args.replay else None,
                              "ttft": "client-side, to the first streamed token; upstream cannot stream (whole "
@@ -683,8 +698,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
               f"{shape['late_turns']} late (>= {args.late_tokens})", flush=True)
         this: dict[str, dict[str, Any]] = {}
         for name in names:
-            pressure = name in PRESSURE
-            size = replace(sizing(conversations, args.answer_tokens, args.concurrency, pressure),
+            pressure = name in PRESSURE or name in HINTED
+            size = replace(sizing(conversations, args.answer_tokens, args.concurrency, pressure,
+                                  args.retention_share),
                            prefill_engines=args.prefill_engines, cores=args.cores)
             sizes["pressure" if pressure else "default"] = size.notes
             print(f"== {name}: engines starting", flush=True)
@@ -775,10 +791,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = AgentSpec()
     parser.add_argument("--model", type=Path, default=None, help="model directory (default: the tiny model)")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated, from "
-                        + ",".join(CONFIGS))
+                        + ",".join(CONFIGS + PRESSURE + HINTED))
     parser.add_argument("--pressure", action=argparse.BooleanOptionalAction, default=False,
                         help="also the retention-pressure scenario (upstream and kvloop with a decode engine that "
                              "retains about half the working set)")
+    parser.add_argument("--retention-share", type=float, default=0.5,
+                        help="pressure configurations: the share of the working set the decode engine can retain "
+                             "(0.05..1)")
     parser.add_argument("--repeat", type=int, default=1, help="run every configuration N times (seed, seed+1, ...)")
     parser.add_argument("--workload", choices=("agent", "long"), default="agent",
                         help="agent sessions that start small and grow (default), or long chats that start big")
@@ -816,9 +835,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.recheck is not None:
         return recheck_main(args.recheck)
-    unknown = [c for c in args.configs.split(",") if c and c not in CONFIGS + PRESSURE]
+    if not 0.05 <= args.retention_share <= 1:
+        print("kvloop bench multiturn: --retention-share: must be within 0.05..1", file=sys.stderr)
+        return 2
+    unknown = [c for c in args.configs.split(",") if c and c not in CONFIGS + PRESSURE + HINTED]
     if unknown or args.repeat < 1:
-        print(f"kvloop bench multiturn: --configs: unknown {unknown}; choose from {list(CONFIGS)}" if unknown else
+        print(f"kvloop bench multiturn: --configs: unknown {unknown}; choose from "
+              f"{list(CONFIGS + PRESSURE + HINTED)}" if unknown else
               "kvloop bench multiturn: --repeat must be at least 1", file=sys.stderr)
         return 2
     if problem := prefill_engines_problem(args.prefill_engines):
