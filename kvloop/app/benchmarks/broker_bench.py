@@ -36,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--streams", type=int, default=4, help="PlaceStream calls shared by the clients")
     parser.add_argument("--prompt-tokens", type=int, default=16384)
     parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--bogus-sessions", type=int, default=0,
+                        help="then open this many sessions with absurd hints (docs/sessions.md) and place again: "
+                             "placement latency and the broker's memory before and after")
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     parser.add_argument("--work-dir", type=Path, default=None, help="logs and etcd data (default: a temp dir)")
 
@@ -46,6 +49,7 @@ class PhaseResult:
     seconds: float
     ops: dict[str, list[float]] = field(default_factory=dict)
     errors: int = 0
+    notes: dict[str, Any] = field(default_factory=dict)
 
     def rate(self, op: str) -> float:
         return len(self.ops.get(op, [])) / self.seconds if self.seconds else 0.0
@@ -59,7 +63,7 @@ class PhaseResult:
     def summary(self) -> dict[str, Any]:
         return {op: {"per_s": round(self.rate(op), 1), "p50_ms": round(self.pct(op, 0.50), 3),
                      "p99_ms": round(self.pct(op, 0.99), 3), "count": len(v)} for op, v in self.ops.items()} | {
-            "errors": self.errors, "seconds": round(self.seconds, 2)}
+            "errors": self.errors, "seconds": round(self.seconds, 2)} | ({"notes": self.notes} if self.notes else {})
 
 
 def broker_and_client_cpus() -> tuple[set[int] | None, set[int] | None]:
@@ -147,6 +151,39 @@ async def _run_phase(address: str, name: str, clients: int, duration: float, pro
     return result
 
 
+async def _bogus_sessions(address: str, n: int) -> dict[str, int]:
+    """``n`` sessions from 10 owners, each hint absurd in its own way: the longest ids the broker takes, a day's pause
+    (granted its bound), high priority for all (granted to 64 a owner), keep_generated false (refused), and every
+    tenth a pause that is not a number (refused whole). Returns the replies by status."""
+    import grpc
+
+    from kvloop.v1 import broker_pb2 as pb
+    from kvloop.v1 import broker_pb2_grpc
+
+    statuses: dict[str, int] = {}
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = broker_pb2_grpc.KVBrokerStub(channel)
+        for i in range(n):
+            request = pb.HintSessionRequest(session_id=f"{i:08d}-" + "x" * 240, owner=f"bogus-{i % 10}",
+                                            pause_s=float("nan") if i % 10 == 9 else 86400.0,
+                                            priority=pb.SESSION_PRIORITY_HIGH, keep_generated=False)
+            try:
+                await stub.HintSession(request, timeout=10)
+                status = "OK"
+            except grpc.aio.AioRpcError as exc:
+                status = exc.code().name
+            statuses[status] = statuses.get(status, 0) + 1
+    return statuses
+
+
+def rss_bytes(pid: int) -> int:
+    """A process's resident memory (``VmRSS`` of ``/proc/PID/status``)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def _bench_store(store: str, args: argparse.Namespace, work: Path) -> dict[str, PhaseResult]:
     from kvloop.shared import procs
 
@@ -171,6 +208,15 @@ def _bench_store(store: str, args: argparse.Namespace, work: Path) -> dict[str, 
                                      ("place_stream", False, args.streams)):
             results[phase] = run_async(_run_phase(broker.extra["address"], phase, args.clients, args.duration,
                                                     args.prompt_tokens, args.block_size, full, streams))
+        if args.bogus_sessions:
+            before = rss_bytes(broker.popen.pid)
+            statuses = run_async(_bogus_sessions(broker.extra["address"], args.bogus_sessions))
+            after = rss_bytes(broker.popen.pid)
+            results["place_stream_sessions"] = run_async(_run_phase(
+                broker.extra["address"], "place_stream_sessions", args.clients, args.duration, args.prompt_tokens,
+                args.block_size, False, args.streams))
+            results["place_stream_sessions"].notes = {"sessions": args.bogus_sessions, "replies": statuses,
+                                                      "rss_before_bytes": before, "rss_after_bytes": after}
         return results
     finally:
         broker.stop()
@@ -197,7 +243,7 @@ def main(args: argparse.Namespace) -> int:
     for store, phases in report["stores"].items():
         for phase, ops in phases.items():
             for op, figures in ops.items():
-                if isinstance(figures, dict):
+                if isinstance(figures, dict) and op != "notes":
                     print(f"{store:<8} {phase:<11} {op:<9} {figures['per_s']:>9.1f} {figures['p50_ms']:>8.3f}"
                           f" {figures['p99_ms']:>8.3f}")
             print(f"{store:<8} {phase:<11} {'errors':<9} {ops['errors']:>9}")
@@ -213,6 +259,19 @@ def main(args: argparse.Namespace) -> int:
             "memory_over_etcd_place_stream_per_s": round(
                 mem["place_stream"]["place"]["per_s"] / max(etcd["place_stream"]["place"]["per_s"], 1e-9), 2),
         }
+    for store, f in report["stores"].items():
+        if "place_stream_sessions" in f:
+            after, before = f["place_stream_sessions"], f["place_stream"]
+            notes = after["notes"]
+            print(f"{store:<8} {notes['sessions']} bogus sessions: replies {notes['replies']}, broker RSS "
+                  f"{notes['rss_before_bytes'] / 2**20:.1f} -> {notes['rss_after_bytes'] / 2**20:.1f} MiB")
+            report["ratios"] |= {
+                f"{store}_sessions_place_p50_after_over_before": round(
+                    after["place"]["p50_ms"] / max(before["place"]["p50_ms"], 1e-9), 3),
+                f"{store}_sessions_place_p99_after_over_before": round(
+                    after["place"]["p99_ms"] / max(before["place"]["p99_ms"], 1e-9), 3),
+                f"{store}_sessions_rss_after_over_before": round(
+                    notes["rss_after_bytes"] / max(notes["rss_before_bytes"], 1), 3)}
     print("ratios:", json.dumps(report["ratios"]))
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))
