@@ -114,6 +114,8 @@ def test_sizing_gives_every_prefill_engine_room_for_concurrent_prompts() -> None
     assert quarter.notes["decode_retention_budget_blocks"] < half.notes["decode_retention_budget_blocks"]
     assert quarter.decode_blocks is not None and half.decode_blocks is not None
     assert quarter.decode_blocks < half.decode_blocks
+    tight = sizing(convs, 0, 3, pressure=True, retention_share=0.25, decode_room=1)
+    assert tight.decode_blocks == quarter.decode_blocks - 2 * tight.notes["longest_prompt_blocks"]
 
 
 def test_a_hinting_agent_says_each_tool_pause_then_its_end() -> None:

@@ -154,10 +154,12 @@ def prefill_engines_problem(n: int) -> str:
 
 
 def sizing(conversations: list[Conversation], answer: int, concurrency: int, pressure: bool,
-           retention_share: float = 0.5) -> Sizing:
+           retention_share: float = 0.5, decode_room: int = 0) -> Sizing:
     """Prefill engines: room for ``concurrency`` longest prompts (none waits for blocks only a timeout frees), and
     at least a quarter of the histories (their prefix caches churn as in production). Under pressure the decode
-    engine can retain ``retention_share`` of the working set (its pool holds that beside its running prompts)."""
+    engine can retain ``retention_share`` of the working set, and its pool holds that beside ``decode_room`` longest
+    prompts running (0: ``concurrency``; fewer: agents pausing for tools leave room, and freed blocks leave vLLM's
+    prefix cache sooner)."""
     lengths = [len(c.prefix) + sum(map(len, c.new_tokens)) + sum(c.answer(t, answer) for t in range(c.turns))
                for c in conversations]
     max_len = int(math.ceil((max(lengths) + answer + BLOCK) / BLOCK) * BLOCK)
@@ -166,7 +168,7 @@ def sizing(conversations: list[Conversation], answer: int, concurrency: int, pre
     prefill = max(one * concurrency, math.ceil(total / 4))
     decode, fraction = None, 0.5
     if pressure:
-        decode = one * concurrency + math.ceil(total * retention_share)
+        decode = one * (decode_room or concurrency) + math.ceil(total * retention_share)
         fraction = max(0.05, min(1.0, (total * retention_share) / decode))
     return Sizing(max_len, prefill, decode, fraction, {
         "history_blocks_total": total, "prefill_blocks_each": prefill, "longest_prompt_blocks": one,
@@ -700,7 +702,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         for name in names:
             pressure = name in PRESSURE or name in HINTED
             size = replace(sizing(conversations, args.answer_tokens, args.concurrency, pressure,
-                                  args.retention_share),
+                                  args.retention_share, args.decode_room),
                            prefill_engines=args.prefill_engines, cores=args.cores)
             sizes["pressure" if pressure else "default"] = size.notes
             print(f"== {name}: engines starting", flush=True)
@@ -795,6 +797,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pressure", action=argparse.BooleanOptionalAction, default=False,
                         help="also the retention-pressure scenario (upstream and kvloop with a decode engine that "
                              "retains about half the working set)")
+    parser.add_argument("--decode-room", type=int, default=0,
+                        help="pressure configurations: the longest prompts the decode pool has room for beside what "
+                             "it retains (default: --concurrency)")
     parser.add_argument("--retention-share", type=float, default=0.5,
                         help="pressure configurations: the share of the working set the decode engine can retain "
                              "(0.05..1)")
@@ -835,6 +840,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.recheck is not None:
         return recheck_main(args.recheck)
+    if args.decode_room < 0:
+        print("kvloop bench multiturn: --decode-room: must not be negative", file=sys.stderr)
+        return 2
     if not 0.05 <= args.retention_share <= 1:
         print("kvloop bench multiturn: --retention-share: must be within 0.05..1", file=sys.stderr)
         return 2
