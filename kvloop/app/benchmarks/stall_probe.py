@@ -77,3 +77,44 @@ def summary(requests: list[ProbeRequest], bound_s: float) -> dict[str, float | i
             "max_ttft_s": round(max((r.ttft_s for r in requests), default=0.0), 3),
             "max_gap_s": round(max((r.max_gap_s for r in requests), default=0.0), 3),
             "bound_s": bound_s}
+
+
+def main(cores: str = "auto", seeds: tuple[int, ...] = (0, 1, 2), bound_s: float = 1.0) -> dict[int, dict[str, object]]:
+    """The probe as measured for docs/engine-patches.md: one engine with no connector bound to ``cores`` (``auto``:
+    every core; ``0``: one), ``ProbeShape()`` for each seed; prints and returns each run's summary and the requests
+    over ``bound_s``. ``python -m kvloop.app.benchmarks.stall_probe [CORES]``."""
+    import json
+    import urllib.request
+    from dataclasses import asdict
+    from pathlib import Path
+
+    from kvloop.app.benchmarks.multiturn import Sizing, engine_config
+    from kvloop.app.engine_set import start_engines
+    from kvloop.engines.config import default_work_dir
+    from kvloop.engines.model import ensure_tiny_model
+    from kvloop.shared.vocabulary import Role
+
+    model = ensure_tiny_model(None)
+    size = Sizing(max_model_len=8192, prefill_blocks=0, decode_blocks=None, retention_fraction=0.5)
+    config = engine_config(model, Path(default_work_dir()) / "stall-probe", Role.BOTH, 0, connector="none",
+                           broker="", size=size, blocks=None, extra={}, cores=cores)
+    engines = start_engines([config])
+    out: dict[int, dict[str, object]] = {}
+    try:
+        url = engines.by_id("both-0").url
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as reply:
+            served = json.load(reply)["data"][0]["id"]
+        for seed in seeds:
+            requests = asyncio.run(probe(url, served, ProbeShape(), seed=seed))
+            out[seed] = {"summary": summary(requests, bound_s),
+                         "over_bound": [asdict(r) for r in requests if r.ttft_s > bound_s or r.max_gap_s > bound_s]}
+            print(f"seed {seed}: {json.dumps(out[seed])}", flush=True)
+    finally:
+        engines.stop()
+    return out
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1] if len(sys.argv) > 1 else "auto")
