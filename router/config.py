@@ -65,6 +65,13 @@ class RouterConfig(ServiceConfig):
     unlisted_grace_s: float = setting(60.0, "an engine the broker stops listing stays a last resort this long: used "
                                             "when no engine of its role is listed, or after every listed one failed "
                                             "(its sidecar may be down while the engine serves); 0 = never")
+    ext_proc_listen: str = setting("", "also serve as the Gateway API Inference Extension's endpoint picker: Envoy's "
+                                       "ext_proc gRPC service on this host:port (docs/gateway.md); empty = off")
+    ext_proc_token_file: Path | None = setting(None, "file holding the token the gateway sends as 'authorization: "
+                                                     "Bearer TOKEN' on ext_proc streams (Envoy: grpc_service's "
+                                                     "initial_metadata); required with ext_proc_listen")
+    dev_open_ext_proc: bool = setting(False, "development only: take ext_proc streams from any caller (logged at "
+                                             "start)")
     port_file: str = setting("", "write the bound HTTP port here once serving (for launchers)")
     console_spans: bool = setting(False, "print OpenTelemetry spans to stderr (OTLP uses OTEL_* variables)")
     log_format: str = setting(DEFAULT_LOG_FORMAT, "log format: json, console, or auto", choices=LOG_FORMATS)
@@ -116,8 +123,27 @@ class RouterConfig(ServiceConfig):
         check_token_file(self, "broker_token_file")
         if self.api_key_file is not None:
             self.api_keys()
+        if self.ext_proc_listen:
+            parse_host_port(self.ext_proc_listen, "ext_proc_listen")
+            self._require(self.ext_proc_token_file is not None or self.dev_open_ext_proc, "ext_proc_token_file",
+                          "the picker checks its caller: set ext_proc_token_file (dev_open_ext_proc opens it for "
+                          "development only)")
+            if self.ext_proc_token_file is not None:
+                self.ext_proc_token()
         self._require(all(p.startswith("/") for p in self.open_path_set()), "open_paths",
                       "must list absolute paths such as /health")
+
+    def ext_proc_token(self) -> bytes | None:
+        """The token ext_proc callers must send (None: ``dev_open_ext_proc``)."""
+        if self.ext_proc_token_file is None:
+            return None
+        try:
+            token = Path(self.ext_proc_token_file).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"ext_proc_token_file: cannot read {self.ext_proc_token_file}: {exc.strerror}",
+                              field="ext_proc_token_file") from None
+        self._require(len(token) >= 16, "ext_proc_token_file", "must hold a token of at least 16 characters")
+        return token.encode()
 
     def api_keys(self) -> list[bytes]:
         """Every accepted API key (``api_key`` and the lines of ``api_key_file``); empty = no key required."""

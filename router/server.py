@@ -18,7 +18,7 @@ import contextlib
 import hmac
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
@@ -41,6 +41,7 @@ from kvloop.router.sessions import (
 from kvloop.router.turn import Turn, TurnError, TurnRunner
 from kvloop.shared import headers as hdr
 from kvloop.shared.config import parse_host_port
+from kvloop.shared.grpc_server import GrpcShell, start_grpc_server
 from kvloop.shared.http import MEASURED_PREFIX, engine_client_connector
 from kvloop.shared.serving import freeze_started_heap, wait_for_stop, write_port_file
 from kvloop.shared.tls import TlsFiles
@@ -146,6 +147,8 @@ class RunningRouter:
     port: int
     _refresher: asyncio.Future[Any]
     _http: aiohttp.ClientSession
+    picker: GrpcShell | None = None
+    """The endpoint picker's gRPC server (``ext_proc_listen``); None when off."""
 
     @property
     def runner(self) -> TurnRunner:
@@ -163,6 +166,8 @@ class RunningRouter:
         self._refresher.cancel()
         with contextlib.suppress(asyncio.CancelledError):  # retrieved, so asyncio logs no "never retrieved"
             await self._refresher
+        if self.picker is not None:
+            await self.picker.stop(5.0)
         await self.web_runner.cleanup()  # stops accepting, lets in-flight requests finish (shutdown_timeout)
         for runner in self.runners.values():
             await runner.close()
@@ -402,6 +407,10 @@ async def start_router(config: RouterConfig) -> RunningRouter:
     ``Authorization: Bearer KEY``; with ``broker_tls_*`` its broker link is TLS. Calls to the engines' HTTP stay
     as their URLs say (plain ``http://`` from the broker; on Kubernetes the mesh's mTLS covers them)."""
     config.validate()
+    if config.ext_proc_listen:
+        # Through the gateway the decode engine answers the client directly, in the shape it was asked in: no chat
+        # turn goes to the engines as token ids (the router would have to turn the answer back into a chat).
+        config = replace(config, chat_as_tokens=False)
     metrics = RouterMetrics()
     http = aiohttp.ClientSession(connector=engine_client_connector(256))
     pools = config.pool_brokers()
@@ -433,8 +442,28 @@ async def start_router(config: RouterConfig) -> RunningRouter:
              engines=sum(len(r.directory.engines) for r in runners.values()), api_key=bool(keys),
              tls="mutual" if server_tls.mutual else "server" if server_tls.enabled else "off",
              broker_tls=TlsFiles.of(config, "broker_tls_").enabled)
+    picker = await start_picker(config, app, keys) if config.ext_proc_listen else None
     freeze_started_heap()
-    return RunningRouter(config, runners, web_runner, bound, refresher, http)
+    return RunningRouter(config, runners, web_runner, bound, refresher, http, picker)
+
+
+async def start_picker(config: RouterConfig, app: RouterApp, keys: list[tuple[bytes, str]]) -> GrpcShell:
+    """The endpoint picker's gRPC port (:mod:`kvloop.router.picker`): ext_proc, health and reflection."""
+    from kvloop.router import picker
+    from kvloop.v1 import ext_proc_pb2_grpc
+
+    servicer = picker.Picker(app, config.ext_proc_token(), keys)
+    shell = await start_grpc_server(
+        listen=config.ext_proc_listen, services=[picker.SERVICE],
+        add_servicers=lambda server, _port: ext_proc_pb2_grpc.add_ExternalProcessorServicer_to_server(servicer,
+                                                                                                      server))
+    for name in picker.HEALTH_SERVICES:
+        await shell.set_serving(name, True)
+    if config.dev_open_ext_proc and config.ext_proc_token_file is None:
+        log.warning("router.picker_open", detail="dev_open_ext_proc: ext_proc streams are taken from any caller "
+                    "(development only)")
+    log.info("router.picker_listening", address=f"{config.ext_proc_listen.rsplit(':', 1)[0]}:{shell.port}")
+    return shell
 
 
 async def serve(config: RouterConfig) -> None:
