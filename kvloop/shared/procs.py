@@ -59,7 +59,7 @@ class Proc:
             self.popen.wait()
 
 
-def _spawn(name: str, argv: Sequence[str], log_dir: Path, env: dict[str, str] | None = None,
+def spawn(name: str, argv: Sequence[str], log_dir: Path, env: dict[str, str] | None = None,
            cpus: set[int] | None = None) -> Proc:
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
@@ -92,7 +92,7 @@ def start_etcd(data_dir: Path, log_dir: Path, timeout_s: float = 20.0, cpus: set
             "--listen-peer-urls", f"http://127.0.0.1:{peer}",
             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
             "--initial-cluster", f"kvloop-test=http://127.0.0.1:{peer}", "--log-level", "warn"]
-    proc = _spawn(f"etcd-{client}", argv, log_dir, cpus=cpus)
+    proc = spawn(f"etcd-{client}", argv, log_dir, cpus=cpus)
     proc.extra["endpoint"] = f"127.0.0.1:{client}"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -120,7 +120,7 @@ def start_broker(name: str, args: Sequence[str], run_dir: Path, env: dict[str, s
     argv = [sys.executable, "-m", "kvloop.app.cli", "broker", "serve", "--listen", "127.0.0.1:0",
             "--port-file", str(port_file), "--metrics-listen", "127.0.0.1:0", "--log-format", "json",
             *([] if authenticated else ["--dev-no-auth"]), *args]
-    proc = _spawn(name, argv, run_dir, env=env, cpus=cpus)
+    proc = spawn(name, argv, run_dir, env=env, cpus=cpus)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if not proc.alive:

@@ -12,16 +12,15 @@ vLLM was not built against (``pip install --dry-run aiperf==0.13.0`` there says 
 
 from __future__ import annotations
 
-import fcntl
 import json
 import math
 import os
 import subprocess
-import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvloop.app import tool_env
 from kvloop.shared import headers as hdr
 
 VERSION = "0.13.0"
@@ -30,43 +29,13 @@ RECORDS = "profile_export.jsonl"
 
 
 def env_dir(root: Path) -> Path:
-    return root / f"aiperf-{VERSION}"
+    return tool_env.env_dir(root, "aiperf", VERSION)
 
 
 def ensure(root: Path) -> Path:
-    """The ``aiperf`` executable of the pinned version, installing it under ``root`` first if it is missing.
-
-    Raises ``RuntimeError`` naming the pip command's last lines when the install fails."""
-    env = env_dir(root)
-    exe = env / "bin" / "aiperf"
-    stamp = env / ".installed"
-    env.parent.mkdir(parents=True, exist_ok=True)
-    # One installer at a time: the test command's set-up starts one in the background (deploy/local/run.sh).
-    with (env.parent / f"aiperf-{VERSION}.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (exe.exists() and stamp.exists()):
-            _install(env)
-    return exe
-
-
-def _install(env: Path) -> None:
-    print(f"== installing AIPerf {VERSION} into {env} (once)", flush=True)
-    python = str(env / "bin" / "python")
-    # uv when set-up installed it beside this interpreter (deploy/local/run.sh): faster, and the install runs
-    # beside the first tests. uv byte-compiles only when asked, and where PYTHONDONTWRITEBYTECODE is set (CI here)
-    # nothing ever writes the .pyc files: each of AIPerf's processes (several per run) then compiled its imports
-    # again, 2.7 CPU-s instead of 1.4 for its main packages (pip compiles by default).
-    uv = Path(sys.executable).parent / "uv"
-    install = ([str(uv), "pip", "install", "--quiet", "--native-tls", "--compile-bytecode", "--python", python]
-               if uv.is_file() else
-               [python, "-m", "pip", "install", "-q"])
-    steps = [[sys.executable, "-m", "venv", "--clear", str(env)], [*install, f"aiperf=={VERSION}"]]
-    for argv in steps:
-        done = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
-        if done.returncode != 0:
-            tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-5:])
-            raise RuntimeError(f"installing AIPerf failed ({' '.join(argv[:4])} ...):\n{tail}")
-    (env / ".installed").write_text(VERSION)
+    """The ``aiperf`` executable of the pinned version, installing it under ``root`` first if it is missing
+    (:func:`kvloop.app.tool_env.ensure_tool`)."""
+    return tool_env.ensure_tool(root, "aiperf", VERSION, "aiperf")
 
 
 @dataclass(frozen=True)
