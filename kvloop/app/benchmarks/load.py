@@ -485,7 +485,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--think-ms", type=float, default=500.0, help="delay between a session's turns")
     parser.add_argument("--shapes", default="agent", help="workload shapes, comma-separated, run one after another and "
                         "laid side by side (kvloop.app.benchmarks.shapes): " + ", ".join(
-                            f"{s.name} ({s.stresses})" for s in SHAPES.values()))
+                            f"{s.name} ({s.stresses})" for s in SHAPES.values()).replace("%", "%%"))
     parser.add_argument("--sessions-per-load", type=int, default=2, help="sessions per point: this times the "
                         "concurrency, at least enough for --min-requests")
     parser.add_argument("--min-requests", type=int, default=100, help="requests per point (a p99 needs 100)")
