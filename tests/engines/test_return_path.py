@@ -226,6 +226,28 @@ def test_evicted_lease_recomputes_and_frees_its_blocks(pd_engines: PDEngines, dr
     assert t2.reason in ("no_match", "decode_local_vetoed"), t2
 
 
+def test_an_agents_end_frees_its_sessions_blocks_on_the_engine(pd_engines: PDEngines, driver: PDDriver,
+                                                                broker_stub: broker_pb2_grpc.KVBrokerStub) -> None:
+    """A session's end (docs/sessions.md): the broker releases its lease at once, and the decode engine, told over its
+    sidecar's eviction stream, frees the blocks, long before the lease's TTL."""
+    decode = pd_engines.decode
+    usage = lambda: metric(scrape(decode.url), "vllm:kv_cache_usage_perc")  # noqa: E731
+    for lease in leases_of(broker_stub, decode.engine_id):  # a clean baseline: nothing retained
+        broker_stub.RenewLease(pb.RenewLeaseRequest(lease_id=lease.lease_id, ttl_s=1.0), timeout=5)
+    wait_for(lambda: leases_of(broker_stub, decode.engine_id), lambda ls: not ls, timeout_s=30, what="no leases")
+    baseline = wait_for(usage, lambda u: u == 0.0, timeout_s=30, what="decode KV usage back to zero")
+    first_turn(driver, broker_stub, pd_engines, "s-end", seed=41, prefill_salt="end-1")
+    assert usage() > baseline
+    (lease,) = leases_of(broker_stub, decode.engine_id)
+    assert lease.expires_at_unix > time.time() + 60  # the default TTL would hold it for minutes
+    state = broker_stub.HintSession(pb.HintSessionRequest(session_id=lease.session_id, end=True), timeout=5)
+    assert state.released_leases == 1 and state.ended_at_unix > 0, state
+    assert not leases_of(broker_stub, decode.engine_id)
+    started = time.monotonic()
+    wait_for(usage, lambda u: u == baseline, timeout_s=30, what="the ended session's blocks freed by the engine")
+    print(f"\nend: the decode engine freed the session's blocks {time.monotonic() - started:.2f} s after the hint")
+
+
 def test_a_lease_demoted_under_memory_pressure_is_pulled_from_the_host_tier(
         pd_engines: PDEngines, driver: PDDriver, broker_stub: broker_pb2_grpc.KVBrokerStub) -> None:
     """Memory pressure makes the broker demote the lease: the decode engine copies its blocks (prompt and generated)
