@@ -125,8 +125,7 @@ class PickerStream:
             self.headers = header_map(request.request_headers.headers)
             self.subset = subset_of(request)
             if request.request_headers.end_of_stream:  # no body: not a turn
-                return [immediate(TurnError(404, f"{self.headers.get(':method', '?')} {self.headers.get(':path')} "
-                                                 "is not served through the picker", "invalid_request_error"))]
+                return [await self.without_body()]
             return []
         if kind == "request_body":
             self.body += request.request_body.body
@@ -136,6 +135,20 @@ class PickerStream:
         if kind == "response_headers":
             return [self.answered(header_map(request.response_headers.headers), served_of(request))]
         return []
+
+    async def without_body(self) -> ep.ProcessingResponse:
+        """A request with no body: ``GET /v1/models`` is answered by the picker as the router answers it (behind
+        the API key); anything else is not served through the picker."""
+        method, path = self.headers.get(":method", "?"), self.headers.get(":path", "").split("?")[0]
+        try:
+            self.picker.tenant(self.headers.get("authorization", ""))
+            if (method, path) != ("GET", "/v1/models"):
+                raise TurnError(404, f"{method} {path} is not served through the picker", "invalid_request_error")
+        except TurnError as exc:
+            return immediate(exc)
+        return ep.ProcessingResponse(immediate_response=ep.ImmediateResponse(
+            status=ep.HttpStatus(code=200), body=json.dumps(await self.picker.app.model_list()).encode(),
+            headers=set_headers({"content-type": "application/json"}), details="kvloop_picker"))
 
     async def pick(self) -> list[ep.ProcessingResponse]:
         try:

@@ -328,6 +328,10 @@ class RouterApp:
         return await self.session_call(request, "end")
 
     async def models(self, request: web.Request) -> web.Response:
+        return web.json_response(await self.model_list())
+
+    async def model_list(self) -> dict[str, Any]:
+        """``/v1/models``: the served models (also through the endpoint picker)."""
         if self.pooled:
             names = set(self.runners)
         else:
@@ -340,8 +344,8 @@ class RouterApp:
                                                    timeout=aiohttp.ClientTimeout(total=5)) as reply:
                             names |= {m["id"] for m in (await reply.json()).get("data", [])}
                         break
-        return web.json_response({"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "kvloop"} for name in sorted(names)]})
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": 0, "owned_by": "kvloop"} for name in sorted(names)]}
 
     async def health(self, request: web.Request) -> web.Response:
         """200 when every pool has a prefill and a decode engine; the counts (per pool with ``pools``)."""

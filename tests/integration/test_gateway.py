@@ -155,6 +155,17 @@ async def test_refusals_come_back_in_openai_shape_and_reach_no_engine(gateway: G
     assert gateway.received() == before
 
 
+async def test_the_model_list_is_the_routers_and_other_gets_are_not_served(gateway: Gateway) -> None:
+    async with aiohttp.ClientSession() as http:
+        headers = {"Authorization": f"Bearer {KEY}"}
+        async with http.get(f"{gateway.url}/v1/models", headers=headers) as reply:
+            assert reply.status == 200 and [m["id"] for m in (await reply.json())["data"]] == [MODEL]
+        async with http.get(f"{gateway.url}/v1/models") as reply:
+            assert reply.status == 401
+        async with http.get(f"{gateway.url}/v1/files", headers=headers) as reply:
+            assert reply.status == 404 and (await reply.json())["error"]["type"] == "invalid_request_error"
+
+
 async def test_a_gateway_without_the_token_is_refused(gateway: Gateway, envoy_binary: Path, tmp_path: Path) -> None:
     assert gateway.router.picker is not None
     stranger = start_envoy(envoy_binary, envoy_config(f"127.0.0.1:{gateway.router.picker.port}", "wrong-token"),
