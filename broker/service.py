@@ -291,9 +291,10 @@ class BrokerService(broker_pb2_grpc.KVBrokerServicer):
     async def HintSession(self, request: pb.HintSessionRequest, context: Any) -> pb.SessionState:
         """A caller's hint on its session (``broker.core.sessions``); the reply says what was granted."""
         metrics = self.runtime.metrics
-        asked = [name for name, said in (("pause", request.HasField("pause_s")), ("end", request.end),
-                                          ("priority", bool(request.priority)),
-                                          ("keep_generated", request.HasField("keep_generated"))) if said]
+        asked = {name: field for name, field, said in (
+            ("pause", "pause_s", request.HasField("pause_s")), ("end", "end", request.end),
+            ("priority", "priority", bool(request.priority)),
+            ("keep_generated", "keep_generated", request.HasField("keep_generated"))) if said}
         try:
             hint = convert.hint_from_pb(request)
             grant, commands = await self.runtime.mutate(
@@ -302,19 +303,20 @@ class BrokerService(broker_pb2_grpc.KVBrokerServicer):
             for name in asked:
                 metrics.session_hints.labels(hint=name, outcome="refused").inc()
             raise
-        for name in asked:
-            capped = any(r.startswith("pause_s:" if name == "pause" else f"{name}:") for r in grant.refused)
-            outcome = "refused" if capped and name == "keep_generated" else "capped" if capped else "granted"
+        for name, field in asked.items():
+            # keep_generated is refused outright (sessions.KEEP_GENERATED_REFUSED); a pause or priority is capped.
+            outcome = ("granted" if field not in grant.not_granted else
+                       "refused" if field == "keep_generated" else "capped")
             metrics.session_hints.labels(hint=name, outcome=outcome).inc()
         leases = self.runtime.read(lambda s, now: s.session_leases(request.session_id))
         reply = convert.session_to_pb(request.session_id, grant.session, leases)
         reply.pause_granted_s = grant.pause_granted_s
         reply.refused.extend(grant.refused)
         reply.released_leases = sum(1 for c in commands if c.lease_id)
-        trace.get_current_span().set_attributes({"kvloop.session_id": request.session_id, "kvloop.hints": asked,
+        trace.get_current_span().set_attributes({"kvloop.session_id": request.session_id, "kvloop.hints": list(asked),
                                                  "kvloop.refused": list(grant.refused),
                                                  "kvloop.pause_granted_s": grant.pause_granted_s})
-        log.info("session.hinted", session=request.session_id, hints=asked, pause_granted_s=grant.pause_granted_s,
+        log.info("session.hinted", session=request.session_id, hints=list(asked), pause_granted_s=grant.pause_granted_s,
                  refused=list(grant.refused), released_leases=reply.released_leases)
         return reply
 

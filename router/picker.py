@@ -31,8 +31,7 @@ from google.protobuf import struct_pb2
 from kvloop.router.errors import TurnError
 from kvloop.router.outcome import Turn
 from kvloop.router.plan import decode_request
-from kvloop.router.server import decision_headers, validate
-from kvloop.router.sessions import SessionError, session_call
+from kvloop.router.server import decision_headers, tenant_of
 from kvloop.router.turn import TurnRunner
 from kvloop.v1 import ext_proc_pb2 as ep
 from kvloop.v1 import ext_proc_pb2_grpc as ep_grpc
@@ -128,7 +127,9 @@ class PickerStream:
                 return [await self.without_body()]
             return []
         if kind == "request_body":
-            self.body += request.request_body.body
+            # At most one byte past the router's limit is kept: enough for parse_body's 413.
+            room = self.picker.app.config.max_request_bytes + 1 - len(self.body)
+            self.body += request.request_body.body[:max(room, 0)]
             return await self.pick() if request.request_body.end_of_stream else []
         if kind == "request_trailers":
             return [*await self.pick(), ep.ProcessingResponse(request_trailers=ep.TrailersResponse())]
@@ -167,18 +168,8 @@ class PickerStream:
         if kind is None:
             raise TurnError(404, f"{self.headers.get(':path')} is not served through the picker",
                             "invalid_request_error")
-        try:
-            raw = json.loads(self.body)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise TurnError(400, f"request body is not valid JSON: {exc}", "invalid_request_error") from None
-        body = validate(kind, raw, app.served_model())
-        try:
-            session = session_call(self.headers, body, tenant)
-        except SessionError as exc:
-            raise TurnError(400, str(exc), "invalid_request_error", exc.field) from None
-        runner = app.runner_for(body)
-        self.turn = turn = await runner.prepare(kind, body, session.scoped_id)
-        self.runner, turn.session = runner, session
+        self.runner, self.turn = runner, turn = await app.prepare_turn(kind, app.parse_body(bytes(self.body)),
+                                                                       self.headers, tenant)
         engines = [e for e in turn.plan.decodes if self.subset is None or endpoint_of(e.http) in self.subset]
         if turn.plan.decode_local:
             engines = engines[:1] if engines and engines[0].engine_id == turn.plan.decode.engine_id else []
@@ -224,12 +215,8 @@ class Picker(ep_grpc.ExternalProcessorServicer):
         """The client's tenant from its API key, as the router's own endpoint takes it; 401 without a valid one."""
         if not self.keys:
             return ""
-        scheme, _, given = authorization.partition(" ")
-        found = None
-        for key, name in self.keys:
-            if hmac.compare_digest(given.strip().encode(), key) and found is None:
-                found = name
-        if scheme.lower() != "bearer" or found is None:
+        found = tenant_of(self.keys, authorization)
+        if found is None:
             raise TurnError(401, "Incorrect or missing API key: send it as 'Authorization: Bearer KEY'.",
                             "invalid_request_error")
         return found

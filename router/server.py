@@ -18,6 +18,7 @@ import contextlib
 import hmac
 import json
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -97,13 +98,13 @@ def timing_ms(turn: Turn) -> dict[str, float]:
     return out
 
 
-def session_of(request: web.Request, body: dict[str, Any]) -> SessionCall:
+def session_of(headers: Mapping[str, str], body: dict[str, Any], tenant: str) -> SessionCall:
     """The turn's session and hints (:mod:`kvloop.router.sessions`), scoped by the caller's tenant; a 400 naming
     the field the router cannot take."""
     try:
-        return session_call(request.headers, body, request.get(TENANT, ""))
+        return session_call(headers, body, tenant)
     except SessionError as exc:
-        raise TurnError(400, str(exc), "invalid_request_error", exc.field) from None
+        raise exc.turn_error() from None
 
 
 def validate(kind: str, body: Any, model: str) -> dict[str, Any]:
@@ -194,16 +195,33 @@ class RouterApp:
 
     async def read_body(self, request: web.Request) -> Any:
         if request.content_length is not None and request.content_length > self.config.max_request_bytes:
-            raise TurnError(413, f"request body is larger than {self.config.max_request_bytes} bytes",
-                            "invalid_request_error")
-        raw = await request.content.read(self.config.max_request_bytes + 1)
+            raise self.too_large()
+        return self.parse_body(await request.content.read(self.config.max_request_bytes + 1))
+
+    def too_large(self) -> TurnError:
+        return TurnError(413, f"request body is larger than {self.config.max_request_bytes} bytes",
+                         "invalid_request_error")
+
+    def parse_body(self, raw: bytes) -> Any:
+        """A request's body as JSON: 413 past ``max_request_bytes``, 400 when it is not JSON (the router's own
+        endpoints and the endpoint picker alike)."""
         if len(raw) > self.config.max_request_bytes:
-            raise TurnError(413, f"request body is larger than {self.config.max_request_bytes} bytes",
-                            "invalid_request_error")
+            raise self.too_large()
         try:
             return json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             raise TurnError(400, f"request body is not valid JSON: {exc}", "invalid_request_error") from None
+
+    async def prepare_turn(self, kind: str, raw: Any, headers: Mapping[str, str], tenant: str
+                           ) -> tuple[TurnRunner, Turn]:
+        """A chat or completions request, checked, with its session, up to its decode (``TurnRunner.prepare``):
+        what the router's own endpoints and the endpoint picker both do first."""
+        body = validate(kind, raw, self.served_model())
+        session = session_of(headers, body, tenant)
+        runner = self.runner_for(body)
+        turn = await runner.prepare(kind, body, session.scoped_id)
+        turn.session = session
+        return runner, turn
 
     def served_model(self) -> str:
         return self.config.model
@@ -217,15 +235,12 @@ class RouterApp:
     async def turn(self, request: web.Request, kind: str) -> web.StreamResponse:
         endpoint = "chat" if kind == "chat" else "completions"
         try:
-            body = validate(kind, await self.read_body(request), self.served_model())
-            session = session_of(request, body)
-            runner = self.runner_for(body)
-            turn = await runner.prepare(kind, body, session.scoped_id)
-            turn.session = session
+            runner, turn = await self.prepare_turn(kind, await self.read_body(request), request.headers,
+                                                   request.get(TENANT, ""))
         except TurnError as exc:
             self.metrics.requests.labels(endpoint, str(exc.status)).inc()
             return error_response(exc)
-        if not body.get("stream"):
+        if not turn.body.get("stream"):
             try:
                 reply = await runner.decode_json(turn)
             except TurnError as exc:
@@ -282,7 +297,7 @@ class RouterApp:
         try:
             session_id = check_session_id(request.match_info["session_id"], "session_id")
         except SessionError as exc:
-            raise TurnError(400, str(exc), "invalid_request_error", exc.field) from None
+            raise exc.turn_error() from None
         return SessionCall(session_id, scoped(tenant, session_id), tenant, None)
 
     async def session_call(self, request: web.Request, action: str) -> web.Response:
@@ -301,7 +316,7 @@ class RouterApp:
                 states = [await desk.hint(call, hints, "rest") for desk in desks]
         except SessionError as exc:
             self.metrics.requests.labels("sessions", "400").inc()
-            return error_response(TurnError(400, str(exc), "invalid_request_error", exc.field))
+            return error_response(exc.turn_error())
         except TurnError as exc:
             self.metrics.requests.labels("sessions", str(exc.status)).inc()
             return error_response(exc)
@@ -377,24 +392,32 @@ TENANT = web.RequestKey("kvloop_tenant", str)
 """The request's key: the caller's tenant (``RouterConfig.api_key_tenants``); absent without API keys."""
 
 
+def tenant_of(keys: list[tuple[bytes, str]], authorization: str) -> str | None:
+    """The tenant of the API key an ``Authorization: Bearer KEY`` value carries; None without one of ``keys``. Each
+    key is compared in constant time (``hmac.compare_digest``), all of them every time."""
+    scheme, _, token = authorization.partition(" ")
+    given = token.strip().encode()
+    tenant = None
+    for key, name in keys:
+        if hmac.compare_digest(given, key) and tenant is None:
+            tenant = name
+    return tenant if scheme.lower() == "bearer" and given else None
+
+
 def api_key_middleware(keys: list[tuple[bytes, str]], open_paths: frozenset[str], metrics: RouterMetrics) -> Any:
-    """Require ``Authorization: Bearer KEY`` (one of ``keys``, each with its tenant) on every path but
-    ``open_paths``. Each accepted key is compared in constant time (``hmac.compare_digest``), all of them every
-    time. The matching key's tenant goes on the request (:data:`TENANT`)."""
+    """Require ``Authorization: Bearer KEY`` (one of ``keys``, each with its tenant, :func:`tenant_of`) on every path
+    but ``open_paths``. The matching key's tenant goes on the request (:data:`TENANT`)."""
 
     @web.middleware
     async def check(request: web.Request, handler: Any) -> web.StreamResponse:
         if request.path in open_paths:
             return await handler(request)
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        authorization = request.headers.get("Authorization", "")
+        scheme, _, token = authorization.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             metrics.requests.labels("auth", "401").inc()
             return unauthorized("You didn't provide an API key. Send it as 'Authorization: Bearer KEY'.")
-        given = token.strip().encode()
-        tenant = None
-        for key, name in keys:
-            if hmac.compare_digest(given, key) and tenant is None:
-                tenant = name
+        tenant = tenant_of(keys, authorization)
         if tenant is None:
             metrics.requests.labels("auth", "401").inc()
             log.info("router.bad_api_key", path=request.path, peer=request.remote)

@@ -29,6 +29,13 @@ HTTP_OF = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.PERMISSION_DEN
 router scopes ids by tenant, so only a router's own fault reaches the broker's owner check."""
 
 
+def refusal(exc: grpc.aio.AioRpcError, what: str = "") -> TurnError:
+    """A failed broker call as the client's error: the request's fault by :data:`HTTP_OF`, else a 503."""
+    code = exc.code()
+    return TurnError(HTTP_OF.get(code, 503), f"session: {what}{exc.details()}",
+                     "invalid_request_error" if code in HTTP_OF else "server_error")
+
+
 def hint_request(call: SessionCall, hints: SessionHints) -> pb.HintSessionRequest:
     request = pb.HintSessionRequest(session_id=call.scoped_id, owner=call.owner, end=hints.end,
                                     priority=PRIORITY_TO_PB.get(hints.priority or "", pb.SESSION_PRIORITY_UNSPECIFIED))
@@ -68,9 +75,7 @@ class SessionDesk:
             except grpc.aio.AioRpcError as exc:
                 self.metrics.session_hints.labels(source, "failed").inc()
                 span.set_status(trace.Status(trace.StatusCode.ERROR, exc.details() or ""))
-                raise TurnError(HTTP_OF.get(exc.code(), 503), f"session: the broker refused the hint: "
-                                f"{exc.details()}", "invalid_request_error" if exc.code() in HTTP_OF else
-                                "server_error") from None
+                raise refusal(exc, "the broker refused the hint: ") from None
             span.set_attributes({"kvloop.pause_granted_s": state.pause_granted_s,
                                  "kvloop.refused": list(state.refused), "kvloop.released_leases":
                                      state.released_leases})
@@ -85,8 +90,7 @@ class SessionDesk:
         try:
             return await broker.call("GetSession", pb.GetSessionRequest(session_id=call.scoped_id, owner=call.owner))
         except grpc.aio.AioRpcError as exc:
-            raise TurnError(HTTP_OF.get(exc.code(), 503), f"session: {exc.details()}",
-                            "invalid_request_error" if exc.code() in HTTP_OF else "server_error") from None
+            raise refusal(exc) from None
 
     def after_turn(self, call: SessionCall | None) -> None:
         """Send a finished turn's hints in the background (the client has its answer)."""

@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvloop.router.errors import TurnError
 from kvloop.shared import headers as hdr
 
 MAX_SESSION_ID = 200
@@ -51,6 +52,10 @@ class SessionError(ValueError):
     def __init__(self, message: str, field: str) -> None:
         super().__init__(message)
         self.field = field
+
+    def turn_error(self) -> TurnError:
+        """The client's answer: a 400 naming the field."""
+        return TurnError(400, str(self), "invalid_request_error", self.field)
 
 
 @dataclass(frozen=True, slots=True)

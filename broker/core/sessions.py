@@ -85,6 +85,11 @@ class SessionGrant:
     pause_granted_s: float = 0.0
     refused: tuple[str, ...] = ()
 
+    @property
+    def not_granted(self) -> frozenset[str]:
+        """The fields of the hint not granted as asked (the ``field`` of each ``field: why``)."""
+        return frozenset(r.split(":", 1)[0] for r in self.refused)
+
 
 def check_hint(session_id: str, owner: str, hint: SessionHint, lim: Limits) -> None:
     """A hint's bounds; every error names the field. A pause past the broker's bound is not an error (it is granted

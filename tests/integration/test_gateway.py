@@ -37,6 +37,7 @@ MODEL = "m"
 FP = "fp-gateway"
 BS = 16
 KEY = "gateway-test-key"
+MAX_BODY = 65536
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +81,8 @@ async def gateway(broker: procs.Proc, envoy_binary: Path, tmp_path: Path) -> Asy
             await stub.RegisterEngine(pb.RegisterEngineRequest(engine=info), timeout=5)
         router = await start_router(RouterConfig(
             listen="127.0.0.1:0", log_format="console", broker=address, refresh_s=0.2, api_key_file=tmp_path / "keys",
-            ext_proc_listen="127.0.0.1:0", ext_proc_token_file=tmp_path / "ext_proc.token"))
+            ext_proc_listen="127.0.0.1:0", ext_proc_token_file=tmp_path / "ext_proc.token",
+            max_request_bytes=MAX_BODY))
         assert router.picker is not None
         envoy = start_envoy(envoy_binary, envoy_config(f"127.0.0.1:{router.picker.port}", token), tmp_path)
         try:
@@ -152,6 +154,8 @@ async def test_refusals_come_back_in_openai_shape_and_reach_no_engine(gateway: G
     status, reply, _ = await post(gateway.url, completion(tokens(BS)), {hdr.SESSION_PAUSE: "soon",
                                                                         hdr.SESSION_ID: "s"})
     assert status == 400 and reply["error"]["param"] == hdr.SESSION_PAUSE, reply
+    status, reply, _ = await post(gateway.url, completion(tokens(BS), user="x" * (2 * MAX_BODY)))
+    assert status == 413 and reply["error"]["type"] == "invalid_request_error", reply  # the router's own limit
     assert gateway.received() == before
 
 
