@@ -25,6 +25,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import msgspec
+
 SAME_MEANING = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "stream",
     "stream_options", "presence_penalty", "frequency_penalty", "repetition_penalty", "length_penalty", "ignore_eos",
@@ -33,7 +35,8 @@ SAME_MEANING = frozenset({
     "response_format", "structured_outputs", "truncate_prompt_tokens", "return_token_ids", "session_id"})
 """Fields vLLM 0.32's chat and completions requests share with one meaning."""
 
-COMPACT = (",", ":")
+encode_json = msgspec.json.Encoder().encode
+"""A tenth of ``json.dumps``' time on a chunk (0.6 against 6.3 us here), and this runs once per relayed token."""
 
 CHAT_ONLY_RENDERED = frozenset({"messages", "add_generation_prompt"})
 """Chat fields already in the rendered tokens."""
@@ -102,12 +105,12 @@ class ChatStream:
                  "choices": [_choice(c, stream=True) for c in data["choices"]]}
         if "usage" in data:
             chunk["usage"] = data["usage"]
-        # Compact, as vLLM's own chat chunks are (and a third cheaper to write than json's default spacing).
-        out = b"data: " + json.dumps(chunk, separators=COMPACT).encode() + b"\n"  # the engine's blank line follows
+        # Compact UTF-8 JSON, as vLLM's own chat chunks are (its API server writes them with pydantic).
+        out = b"data: " + encode_json(chunk) + b"\n"  # the engine's blank line follows
         if not self.opened and chunk["choices"]:
             self.opened = True
             role = {**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                           "finish_reason": None}]}
             role.pop("usage", None)
-            out = b"data: " + json.dumps(role, separators=COMPACT).encode() + b"\n\n" + out
+            out = b"data: " + encode_json(role) + b"\n\n" + out
         return out

@@ -259,6 +259,9 @@ class RouterApp:
         response: web.StreamResponse | None = None
         ttft = 0.0
         chunks = 0
+        # One write per SSE event (its lines and the blank line that ends it), as the engine sends it: a write per
+        # line doubled the router's socket writes and the client's wake-ups on every token.
+        event = bytearray()
         try:
             async for line in runner.decode_stream(turn):
                 if response is None:
@@ -266,21 +269,27 @@ class RouterApp:
                     response = web.StreamResponse(headers={"content-type": "text/event-stream",
                                                            "cache-control": "no-cache", **decision_headers(turn)})
                     await response.prepare(request)
+                if not line.strip():
+                    if event:
+                        event += line
+                        await response.write(bytes(event))
+                        event.clear()
+                    continue  # a blank line ending an event already written (or one the router dropped)
                 if turn.observe(line):
                     continue  # the usage chunk the router asked for, not the client
-                if not ttft and line.startswith(b"data: {"):
-                    ttft = time.perf_counter() - turn.started
                 if line.startswith(b"data: {"):
                     chunks += 1
+                    ttft = ttft or time.perf_counter() - turn.started
                 if line.startswith(b"data: [DONE]") and turn.plan.decode_local:
-                    await response.write(measured_comment(turn))
-                await response.write(line)
+                    event += measured_comment(turn)
+                event += line
         except TurnError as exc:
             runner.finish(turn, output_tokens=0, ttft_s=time.perf_counter() - turn.started, error=exc.message)
             self.metrics.requests.labels(endpoint, str(exc.status)).inc()
             if response is None:
                 return error_response(exc)
-            await response.write(f"data: {json.dumps(exc.body())}\n\n".encode())
+            cut = bytes(event) + b"\n" if event else b""  # an event cut short, ended before the error's own
+            await response.write(cut + f"data: {json.dumps(exc.body())}\n\n".encode())
             return response
         except (ConnectionResetError, aiohttp.ClientError) as exc:
             runner.finish(turn, output_tokens=chunks, ttft_s=ttft, error=f"stream broke: {exc}")
@@ -288,7 +297,7 @@ class RouterApp:
         runner.finish(turn, output_tokens=chunks, ttft_s=ttft or time.perf_counter() - turn.started)
         self.metrics.requests.labels(endpoint, "200").inc()
         assert response is not None
-        await response.write_eof()
+        await response.write_eof(bytes(event))  # an event the engine did not end with a blank line, as it came
         return response
 
     # ----------------------------------------------------------------- /v1/sessions/{id}

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 from typing import Any
 
 import aiohttp
+import msgspec
 
 ENGINE_KEEPALIVE_S = 75
 """How long an engine's HTTP server keeps an idle connection (the launcher sets vLLM's
@@ -37,7 +38,8 @@ def sse_data(line: bytes | str) -> dict[str, Any] | None:
     payload = raw[5:].lstrip()
     if not payload.startswith(b"{"):
         return None
-    event: dict[str, Any] = json.loads(payload)
+    # msgspec's decoder: a third of json's time on a chunk, and this runs once per relayed token.
+    event: dict[str, Any] = msgspec.json.decode(payload)
     return event
 
 

@@ -17,6 +17,9 @@ Configurations (``--configs``), on the same engine settings as ``kvloop bench mu
   sidecar, broker and router in front: what kvloop's own parts cost a turn, beside the bare engine;
 - ``kvloop_single_chat``: the same fleet of one with the router asking the engine by chat
   (``chat_as_tokens: false``: the engine renders and tokenizes each turn again): what one rendering a turn saves;
+- ``kvloop_single_direct``: the same fleet of one with the load sent to the engine itself, past the router (which
+  stays up, idle): the engine with kvloop's connector, sidecar and broker, so that the router's share of
+  ``kvloop_single``'s cost and the rest's are told apart (a diagnostic: without the router nothing is retained);
 - ``aggregated``: one engine with its prefix cache on every core: the engine kvloop must match;
 - ``aggregated_steps``: the same engine taking the steps kvloop's decode engine takes (``DECODE_STEP_TOKENS``
   instead of vLLM's default): whether a difference is kvloop's or the step size's.
@@ -96,8 +99,8 @@ from kvloop.shared import mooncake
 from kvloop.shared.http import metric_by_label, read_metrics
 from kvloop.shared.vocabulary import Role
 
-CONFIGS = ("kvloop", "kvloop_pd", "kvloop_dp", "kvloop_single", "kvloop_single_chat", "one_way", "aggregated",
-           "aggregated_steps")
+CONFIGS = ("kvloop", "kvloop_pd", "kvloop_dp", "kvloop_single", "kvloop_single_chat", "kvloop_single_direct",
+           "one_way", "aggregated", "aggregated_steps")
 BASELINE = "aggregated"
 
 
@@ -129,7 +132,7 @@ async def start(name: str, model: Path, work: Path, size: Sizing, timeout_s: flo
         routing["records_path"] = str(records)
     if name == "kvloop_single_chat":
         routing["chat_as_tokens"] = False
-    if name in ("kvloop_dp", "kvloop_single", "kvloop_single_chat"):
+    if name in ("kvloop_dp", "kvloop_single", "kvloop_single_chat", "kvloop_single_direct"):
         shares = split_cores(2) if name == "kvloop_dp" else ["auto"]
 
         def fleet(broker: str) -> list[Any]:
@@ -139,6 +142,8 @@ async def start(name: str, model: Path, work: Path, size: Sizing, timeout_s: flo
         cluster = await LocalCluster.start(fleet, work, separate_broker=True, broker={"engine_ttl_s": 10.0},
                                            router={"request_timeout_s": timeout_s, **routing})
         engines: EngineSet = cluster.engines
+        if name == "kvloop_single_direct":
+            return engines, cluster, engines.by_id("both-0").url
     elif name == "one_way":
         def configs(broker: str) -> list[Any]:
             prefills = [engine_config(model, work, Role.PREFILL, i, connector="kvloop", broker=broker, size=size,
