@@ -53,6 +53,8 @@ class LocalCluster:
     etcd: procs.Proc | None = None
     credentials: ClusterCredentials | None = None
     """The cluster's secret and its callers' tokens (``run_dir/auth``): the broker refuses every other caller."""
+    gateway: procs.Proc | None = None
+    """An Envoy in front of the router's endpoint picker (:func:`start_gateway`), stopped first."""
 
     @property
     def broker_address(self) -> str:
@@ -107,6 +109,8 @@ class LocalCluster:
         return cluster
 
     async def stop(self) -> None:
+        if self.gateway is not None:
+            await asyncio.to_thread(self.gateway.stop)
         if self.router is not None:
             await self.router.stop()
         await asyncio.to_thread(self.engines.stop)
@@ -173,19 +177,12 @@ async def _up(args: argparse.Namespace) -> None:
                   "(about a minute on 2 cores) ...", flush=True)
 
     router: dict[str, Any] = {"listen": args.router_listen, "tokenizer": str(model)}
-    token = secrets.token_hex(24) if args.gateway else ""
-    if token:  # the picker takes ext_proc streams only from the gateway holding this token
-        token_file = work / "gateway" / "ext_proc.token"
-        token_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        token_file.touch(mode=0o600)
-        token_file.write_text(token)
-        router.update(ext_proc_listen="127.0.0.1:0", ext_proc_token_file=token_file)
+    token = picker_settings(router, work) if args.gateway else ""
     cluster = await LocalCluster.start(
         lambda broker: pd_configs(model, work, broker, prefill=args.prefill, decode=args.decode,
                                   max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib,
                                   log_level="warning"),
         work, etcd=args.etcd, broker={"listen": args.broker_listen}, router=router, on_step=say)
-    envoy: procs.Proc | None = None
     try:
         for engine in cluster.engines:
             print(f"  engine {engine.engine_id:<10} {engine.plan.config.role:<8} {engine.url}  "
@@ -196,8 +193,7 @@ async def _up(args: argparse.Namespace) -> None:
         url = cluster.router.url
         print(f"kvloop up: router {url}  (OpenAI API: {url}/v1/chat/completions, metrics {url}/metrics)", flush=True)
         if cluster.router.picker is not None:
-            envoy = await start_gateway(cluster, token, work)
-            url = envoy.extra["url"]
+            url = (await start_gateway(cluster, token, work)).extra["url"]
         if not args.no_demo:
             await run_demo(url, model=next(iter(sorted(cluster.router.runner.directory.models())), ""),
                            turns=args.demo_turns)
@@ -207,18 +203,30 @@ async def _up(args: argparse.Namespace) -> None:
         await wait_for_stop()
     finally:
         print("kvloop up: stopping router, engines, broker ...", flush=True)
-        if envoy is not None:
-            await asyncio.to_thread(envoy.stop)
         await cluster.stop()
         print("kvloop up: stopped.", flush=True)
 
 
+def picker_settings(router: dict[str, Any], work: Path) -> str:
+    """Adds to a router's settings its endpoint picker, taking ext_proc streams only from the gateway that holds
+    the token returned (written to a file of this cluster's)."""
+    token = secrets.token_hex(24)
+    token_file = work / "gateway" / "ext_proc.token"
+    token_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    token_file.touch(mode=0o600)
+    token_file.write_text(token)
+    router.update(ext_proc_listen="127.0.0.1:0", ext_proc_token_file=token_file)
+    return token
+
+
 async def start_gateway(cluster: LocalCluster, token: str, work: Path) -> procs.Proc:
-    """A local Envoy in front of the router's endpoint picker (:mod:`kvloop.app.gateway`)."""
+    """A local Envoy in front of the router's endpoint picker (:mod:`kvloop.app.gateway`), stopped with the
+    cluster."""
     assert cluster.router is not None and cluster.router.picker is not None
     picker = f"127.0.0.1:{cluster.router.picker.port}"
     exe = await asyncio.to_thread(gateway.ensure_envoy, default_work_dir())
     envoy = await asyncio.to_thread(gateway.start_envoy, exe, gateway.envoy_config(picker, token), work / "gateway")
+    cluster.gateway = envoy
     print(f"kvloop up: gateway (Envoy {gateway.VERSION}) {envoy.extra['url']}, asking the router's endpoint picker "
           f"{picker} (docs/gateway.md)", flush=True)
     return envoy

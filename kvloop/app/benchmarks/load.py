@@ -20,6 +20,8 @@ Configurations (``--configs``), on the same engine settings as ``kvloop bench mu
 - ``kvloop_single_direct``: the same fleet of one with the load sent to the engine itself, past the router (which
   stays up, idle): the engine with kvloop's connector, sidecar and broker, so that the router's share of
   ``kvloop_single``'s cost and the rest's are told apart (a diagnostic: without the router nothing is retained);
+- ``kvloop_single_gateway``: the same fleet of one behind Envoy, the router serving as its endpoint picker
+  (docs/gateway.md): the router places and Envoy relays the stream, as a service mesh would run kvloop;
 - ``aggregated``: one engine with its prefix cache on every core: the engine kvloop must match;
 - ``aggregated_steps``: the same engine taking the steps kvloop's decode engine takes (``DECODE_STEP_TOKENS``
   instead of vLLM's default): whether a difference is kvloop's or the step size's.
@@ -91,7 +93,7 @@ from kvloop.app.benchmarks.shapes import SHAPES, parse_shapes, shaped
 from kvloop.app.benchmarks.stalls import BOUND_S, StallReport, find_stalls, prefill_rate
 from kvloop.app.benchmarks.stats import STALL_S, health, markdown_table, show
 from kvloop.app.benchmarks.warmup import WarmUp, warm_up
-from kvloop.app.cluster import LocalCluster
+from kvloop.app.cluster import LocalCluster, picker_settings, start_gateway
 from kvloop.app.engine_set import EngineSet, start_engines
 from kvloop.engines.config import DECODE_STEP_TOKENS, default_work_dir, split_cores
 from kvloop.engines.model import ensure_tiny_model
@@ -100,7 +102,8 @@ from kvloop.shared.http import metric_by_label, read_metrics
 from kvloop.shared.vocabulary import Role
 
 CONFIGS = ("kvloop", "kvloop_pd", "kvloop_dp", "kvloop_single", "kvloop_single_chat", "kvloop_single_direct",
-           "one_way", "aggregated", "aggregated_steps")
+           "kvloop_single_gateway", "one_way", "aggregated", "aggregated_steps")
+SINGLE_FLEETS = ("kvloop_dp", "kvloop_single", "kvloop_single_chat", "kvloop_single_direct", "kvloop_single_gateway")
 BASELINE = "aggregated"
 
 
@@ -132,7 +135,8 @@ async def start(name: str, model: Path, work: Path, size: Sizing, timeout_s: flo
         routing["records_path"] = str(records)
     if name == "kvloop_single_chat":
         routing["chat_as_tokens"] = False
-    if name in ("kvloop_dp", "kvloop_single", "kvloop_single_chat", "kvloop_single_direct"):
+    token = picker_settings(routing, work) if name == "kvloop_single_gateway" else ""
+    if name in SINGLE_FLEETS:
         shares = split_cores(2) if name == "kvloop_dp" else ["auto"]
 
         def fleet(broker: str) -> list[Any]:
@@ -144,6 +148,12 @@ async def start(name: str, model: Path, work: Path, size: Sizing, timeout_s: flo
         engines: EngineSet = cluster.engines
         if name == "kvloop_single_direct":
             return engines, cluster, engines.by_id("both-0").url
+        if token:
+            try:
+                return engines, cluster, (await start_gateway(cluster, token, work)).extra["url"]
+            except BaseException:
+                await cluster.stop()
+                raise
     elif name == "one_way":
         def configs(broker: str) -> list[Any]:
             prefills = [engine_config(model, work, Role.PREFILL, i, connector="kvloop", broker=broker, size=size,
