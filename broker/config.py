@@ -124,6 +124,8 @@ class BrokerConfig(ServiceConfig):
     measured_residuals: bool = setting(_policy("measured_residuals"),
         "cost model: add each router's measured residuals (how much longer than estimated its recent P/D and "
         "DECODE_LOCAL turns took to the first token) to the paths of their kind; off: the idle estimates alone")
+    residual_bound_s: float = setting(_policy("residual_bound_s"), "cost model: the most a router's residual moves "
+                                      "a path's price, either way (beyond it the broker counts the residual clipped)")
     in_flight_ttl_s: float = setting(_policy("in_flight_ttl_s"), "a router's counts of its requests in flight "
                                      "stand for this long after its last placement (they price load and veto)")
     tick_interval_s: float = setting(0.25, "how often leases, pins and engines are checked for expiry")
@@ -200,6 +202,8 @@ class BrokerConfig(ServiceConfig):
         for name in ("max_session_pause_s", "session_resume_margin_s"):
             self._require(getattr(self, name) >= 0, name, "must not be negative")
         self._require(0 < self.decode_local_max_share <= 1, "decode_local_max_share", "must be in (0, 1]")
+        # The wire refuses residuals past 60 s (kvloop.shared.protocol.MAX_RESIDUAL_S): a bound beyond it binds nothing.
+        self._require(0 <= self.residual_bound_s <= 60, "residual_bound_s", "must lie within 0..60 seconds")
         self._require(1 <= self.least_loaded_candidates <= 64, "least_loaded_candidates", "must be within 1..64")
         check_files(self, "tls_", server=True)
         if self.auth_secret_file is not None:

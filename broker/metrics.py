@@ -83,6 +83,10 @@ class BrokerMetrics:
                                      "keep_generated) and outcome: granted, capped (granted less than asked) or "
                                      "refused (the hint or the whole call)", ["hint", "outcome"],
                                      registry=self.registry)
+        self.residuals_clipped = Counter("kvloop_broker_residuals_clipped", "placements whose router's measured "
+                                         "residual exceeded residual_bound_s and was applied only to the bound, by "
+                                         "kind (pd, decode_local): the cost model is off by more than it may correct",
+                                         ["kind"], registry=self.registry)
         self.auth_refusals = Counter("kvloop_broker_auth_refusals", "calls refused by authentication or "
                                      "authorization (broker.access), by method and status code", ["method", "code"],
                                      registry=self.registry)

@@ -186,6 +186,14 @@ class BrokerService(broker_pb2_grpc.KVBrokerServicer):
         self.runtime.metrics.demotions.labels(outcome="copied" if lease else "failed").inc()
         return pb.CompleteDemotionResponse(retained=lease is not None)
 
+    def _count_clipped(self, request: pb.PlaceRequest) -> None:
+        cfg = self.runtime.config
+        if not cfg.measured_residuals:
+            return
+        for kind, residual in (("pd", request.pd_residual_s), ("decode_local", request.decode_local_residual_s)):
+            if abs(residual) > cfg.residual_bound_s:
+                self.runtime.metrics.residuals_clipped.labels(kind=kind).inc()
+
     async def _place(self, request: pb.PlaceRequest) -> pb.Plan:
         start = time.perf_counter()
         place_input = PlaceInput(keys=list(request.block_keys), num_tokens=request.num_tokens,
@@ -193,6 +201,7 @@ class BrokerService(broker_pb2_grpc.KVBrokerServicer):
                                  session_id=request.session_id, decode_local=not request.no_decode_local,
                                  pd_residual_s=request.pd_residual_s,
                                  decode_local_residual_s=request.decode_local_residual_s)
+        self._count_clipped(request)
         if request.counts_in_flight:
             router, counts, tokens = _router_name(request), dict(request.in_flight), dict(request.in_flight_tokens)
             self.runtime.volatile(lambda s, now: s.report_in_flight(router, counts, now, tokens))

@@ -15,7 +15,7 @@ from contextlib import AbstractContextManager
 from kvloop.router.config import RouterConfig
 from kvloop.router.in_flight import InFlightCounts
 from kvloop.router.recent import RecentTurns
-from kvloop.router.residuals import DECODE_LOCAL, PD, PathResiduals, turn_residual
+from kvloop.router.residuals import DECODE_LOCAL, PD, DriftAlarm, PathResiduals, turn_residual
 from kvloop.v1 import broker_pb2 as pb
 
 
@@ -27,6 +27,7 @@ class TurnBooks:
         self.recent = RecentTurns(config.publication_wait_s)
         self.residuals = PathResiduals(config.residual_window_s, config.residual_samples) \
             if config.residual_window_s > 0 else None
+        self.drift = DriftAlarm(config.drift_log_s)
         """This router's measure of the broker's estimates, sent with each placement (None: measures none)."""
 
     def track(self, engine_id: str, tokens: int = 0) -> AbstractContextManager[Callable[[], None]]:

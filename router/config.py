@@ -61,6 +61,9 @@ class RouterConfig(ServiceConfig):
                                              "with each placement the median of the last turns within this many "
                                              "seconds (router/residuals.py); 0 = measure and send none")
     residual_samples: int = setting(16, "most recent turns of each kind of path in the measured residual's median")
+    drift_log_s: float = setting(0.5, "log router.model_drift when a kind of path's measured residual (how far the "
+                                      "broker's cost model is off on this router's turns) goes past this many "
+                                      "seconds either way, and router.model_drift_back when it returns within")
     refresh_s: float = setting(2.0, "how often the engine list is refreshed from the broker")
     unlisted_grace_s: float = setting(60.0, "an engine the broker stops listing stays a last resort this long: used "
                                             "when no engine of its role is listed, or after every listed one failed "
@@ -118,6 +121,7 @@ class RouterConfig(ServiceConfig):
         self._require(self.unlisted_grace_s >= 0, "unlisted_grace_s", "must be 0 or more")
         self._require(self.residual_window_s >= 0, "residual_window_s", "must be 0 or more")
         self._require(4 <= self.residual_samples <= 1024, "residual_samples", "must be within 4..1024")
+        self._require(self.drift_log_s > 0, "drift_log_s", "must be positive")
         check_files(self, "tls_", server=True)
         check_files(self, "broker_tls_", server=False)
         check_token_file(self, "broker_token_file")

@@ -77,3 +77,20 @@ class PathResiduals:
             return 0.0
         estimate = median(r for _, r in turns) * min(1.0, len(turns) / self.min_samples)
         return max(-MAX_RESIDUAL_S, min(MAX_RESIDUAL_S, estimate))
+
+
+class DriftAlarm:
+    """When a kind's residual (the model's drift on this router's turns) goes past ``bound_s`` either way, and when
+    it returns within: one log line at each crossing, not one a turn."""
+
+    def __init__(self, bound_s: float) -> None:
+        self.bound_s = bound_s
+        self._over: set[str] = set()
+
+    def crossing(self, kind: str, estimate_s: float) -> bool | None:
+        """True: the kind's drift went past the bound; False: it came back within; None: no crossing."""
+        over = abs(estimate_s) > self.bound_s
+        if over == (kind in self._over):
+            return None
+        (self._over.add if over else self._over.discard)(kind)
+        return over

@@ -308,6 +308,11 @@ class TurnRunner:
             kind, residual_s, estimate_s = measured
             turn.span.set_attribute("kvloop.residual_s", round(residual_s, 6))
             self.metrics.residuals.labels(kind).set(estimate_s)
+            crossed = self.books.drift.crossing(kind, estimate_s)
+            if crossed is not None:
+                (log.warning if crossed else log.info)(
+                    "router.model_drift" if crossed else "router.model_drift_back", kind=kind,
+                    drift_s=round(estimate_s, 3), bound_s=self.books.drift.bound_s, engine=turn.decode.engine_id)
 
     async def decode_json(self, turn: Turn) -> dict[str, Any]:
         turn.outcome.decode_started_ns = time.time_ns()

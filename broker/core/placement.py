@@ -123,6 +123,11 @@ class PlacementPolicy:
     measured_residuals: bool = True
     """Add the caller's measured residuals (``PlaceInput.pd_residual_s``, ``decode_local_residual_s``) to the
     paths of their kind: the idle figures (``pd_hop_s``, the measured rates) miss what load adds."""
+    residual_bound_s: float = 2.0
+    """The most a caller's residual moves a path's price, either way: a correction of the model, not the price
+    itself. Measured residuals under load were 0.3-0.6 s on the P/D hop (docs/placement.md); one engine's stall held
+    a kind's turns 3-5 s, which unbounded would price that kind out of the fleet. Past the bound the model is off,
+    which the routers' drift log line and gauge show (router/residuals.py), and the broker counts."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,10 +55,12 @@ class Scene:
     @property
     def residuals(self) -> tuple[float, float]:
         """The caller's measure of what P/D and DECODE_LOCAL paths cost beyond their estimates under the present
-        load, where the policy applies them."""
+        load, where the policy applies them, each within ``residual_bound_s``."""
         if not self.policy.measured_residuals:
             return 0.0, 0.0
-        return self.request.pd_residual_s, self.request.decode_local_residual_s
+        bound = self.policy.residual_bound_s
+        return (max(-bound, min(bound, self.request.pd_residual_s)),
+                max(-bound, min(bound, self.request.decode_local_residual_s)))
 
     @property
     def seen(self) -> int:

@@ -116,6 +116,25 @@ def test_the_routers_measured_residuals_price_the_paths_of_their_kind() -> None:
     assert faster.cost.transfer_path_s == pytest.approx(idle.cost.transfer_path_s - 0.08)
 
 
+def test_a_residual_moves_a_price_at_most_by_the_policys_bound() -> None:
+    """One engine's stall holds a kind's turns seconds over their estimates; applied whole, such a residual would
+    price the kind out of the fleet. The broker applies at most ``residual_bound_s`` either way, and the plan's
+    cost says what it applied."""
+    def engines() -> list[EngineRecord]:
+        return [engine("p", Role.PREFILL, prefill_tokens_per_s=10_000, queued_prefill_tokens=0),
+                engine("d", Role.DECODE, prefill_tokens_per_s=10_000, queued_prefill_tokens=0)]
+
+    tokens = 64 * BS + 100
+    idle = plan_for(tokens, engines(), lease=("d", 64))
+    stalled = plan_for(tokens, engines(), lease=("d", 64), residuals=(-9.0, 5.0),
+                       policy=PlacementPolicy(residual_bound_s=0.5))
+    assert (stalled.cost.pd_residual_s, stalled.cost.decode_local_residual_s) == (-0.5, 0.5)
+    assert stalled.cost.decode_local_s == pytest.approx(idle.cost.decode_local_s + 0.5)
+    within = plan_for(tokens, engines(), lease=("d", 64), residuals=(0.3, -0.2),
+                      policy=PlacementPolicy(residual_bound_s=0.5))
+    assert (within.cost.pd_residual_s, within.cost.decode_local_residual_s) == (0.3, -0.2)
+
+
 def test_a_prefill_engine_with_the_prefix_in_its_own_cache_serves_it_without_a_pull() -> None:
     plan = plan_for(64 * BS + 100, cluster(), cached={"p2": 64})
     assert (plan.decision, plan.reason) == (Decision.PREFILL_LOCAL, "local_prefix")

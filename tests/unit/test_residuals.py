@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvloop.router.residuals import DECODE_LOCAL, PD, PathResiduals, kind_of, turn_residual
+from kvloop.router.residuals import DECODE_LOCAL, PD, DriftAlarm, PathResiduals, kind_of, turn_residual
 from kvloop.v1 import broker_pb2 as pb
 
 
@@ -73,3 +73,14 @@ def test_the_estimate_stays_within_what_the_broker_accepts() -> None:
 def test_bad_settings_are_refused(args: tuple[float, int, int]) -> None:
     with pytest.raises(ValueError):
         PathResiduals(*args)
+
+
+def test_the_drift_alarm_speaks_once_when_a_kind_goes_past_its_bound_and_once_when_it_returns() -> None:
+    alarm = DriftAlarm(0.5)
+    assert alarm.crossing(PD, 0.2) is None
+    assert alarm.crossing(PD, 0.7) is True
+    assert alarm.crossing(PD, 1.4) is None  # still past it: no second line
+    assert alarm.crossing(DECODE_LOCAL, -0.6) is True  # either way, each kind apart
+    assert alarm.crossing(PD, 0.5) is False
+    assert alarm.crossing(PD, 0.1) is None
+    assert alarm.crossing(DECODE_LOCAL, -0.6) is None
