@@ -190,8 +190,10 @@ class BrokerService(broker_pb2_grpc.KVBrokerServicer):
         cfg = self.runtime.config
         if not cfg.measured_residuals:
             return
-        for kind, residual in (("pd", request.pd_residual_s), ("decode_local", request.decode_local_residual_s)):
-            if abs(residual) > cfg.residual_bound_s:
+        for kind, residual, by_engine in (("pd", request.pd_residual_s, request.pd_residual_by_engine),
+                                          ("decode_local", request.decode_local_residual_s,
+                                           request.decode_local_residual_by_engine)):
+            if any(abs(r) > cfg.residual_bound_s for r in (*by_engine.values(), residual)):
                 self.runtime.metrics.residuals_clipped.labels(kind=kind).inc()
 
     async def _place(self, request: pb.PlaceRequest) -> pb.Plan:
@@ -200,7 +202,9 @@ class BrokerService(broker_pb2_grpc.KVBrokerServicer):
                                  layout_fingerprint=request.layout_fingerprint, block_size=request.block_size,
                                  session_id=request.session_id, decode_local=not request.no_decode_local,
                                  pd_residual_s=request.pd_residual_s,
-                                 decode_local_residual_s=request.decode_local_residual_s)
+                                 decode_local_residual_s=request.decode_local_residual_s,
+                                 pd_residual_by_engine=dict(request.pd_residual_by_engine),
+                                 decode_local_residual_by_engine=dict(request.decode_local_residual_by_engine))
         self._count_clipped(request)
         if request.counts_in_flight:
             router, counts, tokens = _router_name(request), dict(request.in_flight), dict(request.in_flight_tokens)

@@ -39,18 +39,18 @@ class TurnBooks:
         """A turn whose prompt had these full-block keys has just been answered (:mod:`.recent`)."""
         self.recent.answered(prompt_keys, now)
 
-    def observe_residual(self, path: str, cost: pb.CostEstimate, timings_ms: Mapping[str, float], now: float
-                         ) -> tuple[str, float, float] | None:
+    def observe_residual(self, path: str, cost: pb.CostEstimate, timings_ms: Mapping[str, float], now: float,
+                         engine: str = "") -> tuple[str, float, float] | None:
         """A turn that ran its planned ``path`` as the broker planned it: its kind, its residual and the kind's
         estimate after it; None when this router measures no residuals or the turn cannot be measured
-        (:func:`.residuals.turn_residual`)."""
+        (:func:`.residuals.turn_residual`); ``engine``: see :meth:`.PathResiduals.observe`."""
         if self.residuals is None:
             return None
         measured = turn_residual(path, cost, timings_ms)
         if measured is None:
             return None
         kind, residual_s = measured
-        self.residuals.observe(kind, residual_s, now)
+        self.residuals.observe(kind, residual_s, now, engine)
         return kind, residual_s, self.residuals.estimate(kind, now)
 
     def stamp(self, request: pb.PlaceRequest, now: float) -> None:
@@ -62,6 +62,8 @@ class TurnBooks:
         if self.residuals is not None:
             request.pd_residual_s = self.residuals.estimate(PD, now)
             request.decode_local_residual_s = self.residuals.estimate(DECODE_LOCAL, now)
+            request.pd_residual_by_engine.update(self.residuals.by_engine(PD, now))
+            request.decode_local_residual_by_engine.update(self.residuals.by_engine(DECODE_LOCAL, now))
 
     def expected(self, prompt_keys: Sequence[bytes], now: float) -> tuple[int, float]:
         """(blocks the broker's match should reach, deadline to wait for it) (:meth:`RecentTurns.expected`)."""

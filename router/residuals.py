@@ -17,6 +17,8 @@ plan estimated ~0.1 s, while DECODE_LOCAL turns missed their estimates by ~0.1 s
   ``min_samples`` turns the median is scaled by their share of ``min_samples``, so thin evidence moves the price
   a little. With none in the window it is 0 (the model's own estimate): a kind its residual priced out is priced
   by the model again once its turns have aged out, and its next turn measures it anew.
+- Per engine too (P/D turns by their prefill engine, DECODE_LOCAL turns by their decode engine), sent beside the
+  kinds' figures; the broker prices each engine by its own, so one engine's stall reprices that engine only.
 - Only turns that ran as the broker planned count: no fallback, the planned engines answered, a first token
   streamed. The estimate is clamped to the wire's bound (``MAX_RESIDUAL_S``): past it the broker would refuse
   the placements themselves.
@@ -64,13 +66,29 @@ class PathResiduals:
             raise ValueError("window_s must be positive, 1 <= min_samples <= samples")
         self.window_s, self.samples, self.min_samples = window_s, samples, min_samples
         self._turns: dict[str, deque[tuple[float, float]]] = {}
+        self._by_engine: dict[str, dict[str, deque[tuple[float, float]]]] = {}
 
-    def observe(self, kind: str, residual_s: float, now: float) -> None:
+    def observe(self, kind: str, residual_s: float, now: float, engine: str = "") -> None:
+        """A turn of ``kind`` measured; ``engine``: the engine it is measured by (P/D: its prefill engine,
+        DECODE_LOCAL: its decode engine), whose own estimate it also feeds."""
         self._turns.setdefault(kind, deque(maxlen=self.samples)).append((now, residual_s))
+        if engine:
+            self._by_engine.setdefault(kind, {}).setdefault(engine, deque(maxlen=self.samples)).append(
+                (now, residual_s))
 
     def estimate(self, kind: str, now: float) -> float:
         """The kind's residual now: 0 with no turn of it in the window."""
-        turns = self._turns.get(kind)
+        return self._estimate(self._turns.get(kind), now)
+
+    def by_engine(self, kind: str, now: float) -> dict[str, float]:
+        """Each engine's residual of ``kind`` now, for the engines with a turn of it in the window."""
+        engines = self._by_engine.get(kind, {})
+        out = {engine: self._estimate(turns, now) for engine, turns in engines.items()}
+        for engine in [e for e, turns in engines.items() if not turns]:
+            del engines[engine]  # aged out: an engine gone from the fleet leaves nothing behind
+        return {engine: value for engine, value in out.items() if engine in engines}
+
+    def _estimate(self, turns: deque[tuple[float, float]] | None, now: float) -> float:
         while turns and now - turns[0][0] > self.window_s:
             turns.popleft()
         if not turns:

@@ -303,7 +303,8 @@ class TurnRunner:
             return
         if turn.outcome.prefill_engine != plan.prefill.engine_id or turn.decode.engine_id != plan.decode.engine_id:
             return  # a fail-over: not what the planned engines cost
-        measured = self.books.observe_residual(plan.path, broker.cost, turn.outcome.timings_ms, now)
+        by = turn.decode.engine_id if plan.path == Path.DECODE_LOCAL else turn.outcome.prefill_engine
+        measured = self.books.observe_residual(plan.path, broker.cost, turn.outcome.timings_ms, now, by)
         if measured is not None:
             kind, residual_s, estimate_s = measured
             turn.span.set_attribute("kvloop.residual_s", round(residual_s, 6))

@@ -205,9 +205,19 @@ def check_place(request: PlaceInput, lim: Limits) -> None:
             field="num_tokens",
         )
     for name in ("pd_residual_s", "decode_local_residual_s"):
-        value = getattr(request, name)
-        if not math.isfinite(value) or abs(value) > lim.max_residual_s:
-            raise InvalidArgument(f"{name}: {value} is not within +-{lim.max_residual_s} s", field=name)
+        check_residual(name, getattr(request, name), lim)
+    for name in ("pd_residual_by_engine", "decode_local_residual_by_engine"):
+        by_engine: Mapping[str, float] = getattr(request, name)
+        if len(by_engine) > lim.max_block_keys:
+            raise InvalidArgument(f"{name}: {len(by_engine)} engines, more than {lim.max_block_keys}", field=name)
+        for engine_id, value in by_engine.items():
+            check_id(engine_id, name, lim.max_id_len, required=True)
+            check_residual(f"{name}[{engine_id}]", value, lim, field=name)
+
+
+def check_residual(name: str, value: float, lim: Limits, field: str = "") -> None:
+    if not math.isfinite(value) or abs(value) > lim.max_residual_s:
+        raise InvalidArgument(f"{name}: {value} is not within +-{lim.max_residual_s} s", field=field or name)
 
 
 def check_in_flight(router: str, tokens: Mapping[str, int], lim: Limits) -> None:

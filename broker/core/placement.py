@@ -42,7 +42,7 @@ option, its reason and veto), then :func:`place` builds the plan. Tested in ``te
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvloop.broker.core.choice import Choice, cheapest_s, choose
 from kvloop.broker.core.index import Match
@@ -144,6 +144,11 @@ class PlaceInput:
     router measures it: router/residuals.py); added to every P/D path's price. 0: none measured."""
     decode_local_residual_s: float = 0.0
     """The same for its DECODE_LOCAL turns, added to DECODE_LOCAL's price."""
+    pd_residual_by_engine: Mapping[str, float] = field(default_factory=dict)
+    """Per prefill engine, the same as ``pd_residual_s``; where given, each prefill engine is priced by its own entry
+    (absent: no correction) instead of the kind's figure: one engine's stall does not reprice every P/D path."""
+    decode_local_residual_by_engine: Mapping[str, float] = field(default_factory=dict)
+    """Per decode engine, the same for DECODE_LOCAL."""
 
 
 def place(
@@ -168,11 +173,12 @@ def place(
     if verdict.priced:
         options.append(decode_local_option(scene, tail))
     choice = choose(options, tail, verdict, scene.seen)
-    cost = _cost(scene, options, choice.best, tail.stall_s if verdict.priced else 0.0)
+    cost = _cost(scene, options, choice.best, decode, tail.stall_s if verdict.priced else 0.0)
     return _plan(scene, decode, sticky, choice, cost)
 
 
-def _cost(scene: Scene, options: Sequence[Option], best: Option, stall_s: float) -> CostEstimate:
+def _cost(scene: Scene, options: Sequence[Option], best: Option, decode: EngineRecord, stall_s: float
+          ) -> CostEstimate:
     """The plan's cost figures: each path's cheapest price, the chosen engine's rate and queue, and the pull figures
     of the cheapest TRANSFER option, whether or not it won (the trace shows why it lost)."""
     transfers = [o for o in options if o.pull is not None]
@@ -180,7 +186,12 @@ def _cost(scene: Scene, options: Sequence[Option], best: Option, stall_s: float)
     pull = pull or CostEstimate()
     # A DECODE_LOCAL option's engine is the decode engine: best.prefill is the engine that computes the prompt.
     tps, tps_measured = prefill_rate(best.prefill, scene.policy, scene.fleet_rate)
-    pd_residual, local_residual = scene.residuals
+    # The residuals in the chosen path's price (the router measures the path it ran against them); where
+    # DECODE_LOCAL won, the cheapest P/D option's.
+    pd_option = best if best.decision is not Decision.DECODE_LOCAL else \
+        min((o for o in options if o.decision is not Decision.DECODE_LOCAL), key=lambda o: o.seconds, default=None)
+    pd_residual = scene.pd_residual(pd_option.prefill) if pd_option is not None else 0.0
+    local_residual = scene.local_residual(decode)
     return CostEstimate(
         pull.transfer_s, pull.recompute_s, pull.bandwidth_bytes_per_s, tps, pull.bytes_per_block,
         pull.measured if best.decision is Decision.TRANSFER else tps_measured,

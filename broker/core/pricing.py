@@ -122,7 +122,7 @@ def queue_s(scene: Scene, engine: EngineRecord, flat: bool = True) -> float:
 
 def hop_s(scene: Scene, engine: EngineRecord, compute_tokens: int) -> float:
     """A P/D path on prefill engine ``engine``: the hop (with the caller's residual), its queue, its compute."""
-    hop = max(0.0, scene.policy.pd_hop_s + scene.residuals[0])
+    hop = max(0.0, scene.policy.pd_hop_s + scene.pd_residual(engine))
     return hop + queue_s(scene, engine) + compute_tokens / rate(scene, engine)
 
 
@@ -186,6 +186,6 @@ def decode_local_option(scene: Scene, tail: Tail) -> Option:
     """DECODE_LOCAL: the decode engine's own wait and compute (its queued tails: no flat penalty, its running
     requests are streams, priced as the stall instead), plus what the tail costs the streams it holds up, plus the
     caller's residual, which can take away waits the model priced, never the compute itself."""
-    local_residual = scene.residuals[1]
+    local_residual = scene.local_residual(tail.decode)
     seconds = max(tail.seconds, queue_s(scene, tail.decode, flat=False) + tail.seconds + tail.stall_s + local_residual)
     return Option(seconds, Decision.DECODE_LOCAL, tail.decode, tail.own, tail.own)

@@ -52,15 +52,23 @@ class Scene:
     def block_size(self) -> int:
         return self.request.block_size
 
-    @property
-    def residuals(self) -> tuple[float, float]:
-        """The caller's measure of what P/D and DECODE_LOCAL paths cost beyond their estimates under the present
-        load, where the policy applies them, each within ``residual_bound_s``."""
+    def pd_residual(self, prefill: EngineRecord) -> float:
+        """The caller's measure of what a P/D path on ``prefill`` costs beyond its estimate under the present load
+        (its engine's own where the caller measures per engine), where the policy applies it, within
+        ``residual_bound_s``."""
+        return self._residual(self.request.pd_residual_by_engine, self.request.pd_residual_s, prefill)
+
+    def local_residual(self, decode: EngineRecord) -> float:
+        """The same for DECODE_LOCAL on ``decode``."""
+        return self._residual(self.request.decode_local_residual_by_engine, self.request.decode_local_residual_s,
+                              decode)
+
+    def _residual(self, by_engine: Mapping[str, float], kind_s: float, engine: EngineRecord) -> float:
         if not self.policy.measured_residuals:
-            return 0.0, 0.0
+            return 0.0
+        value = by_engine.get(engine.info.engine_id, 0.0) if by_engine else kind_s
         bound = self.policy.residual_bound_s
-        return (max(-bound, min(bound, self.request.pd_residual_s)),
-                max(-bound, min(bound, self.request.decode_local_residual_s)))
+        return max(-bound, min(bound, value))
 
     @property
     def seen(self) -> int:

@@ -333,7 +333,7 @@ class CompleteDemotionResponse(_message.Message):
     def __init__(self, retained: _Optional[bool] = ...) -> None: ...
 
 class PlaceRequest(_message.Message):
-    __slots__ = ("session_id", "block_keys", "num_tokens", "layout_fingerprint", "block_size", "pin", "traceparent", "no_decode_local", "in_flight", "counts_in_flight", "router_id", "in_flight_tokens", "pd_residual_s", "decode_local_residual_s")
+    __slots__ = ("session_id", "block_keys", "num_tokens", "layout_fingerprint", "block_size", "pin", "traceparent", "no_decode_local", "in_flight", "counts_in_flight", "router_id", "in_flight_tokens", "pd_residual_s", "decode_local_residual_s", "pd_residual_by_engine", "decode_local_residual_by_engine")
     class InFlightEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -348,6 +348,20 @@ class PlaceRequest(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class PdResidualByEngineEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class DecodeLocalResidualByEngineEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -362,6 +376,8 @@ class PlaceRequest(_message.Message):
     IN_FLIGHT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PD_RESIDUAL_S_FIELD_NUMBER: _ClassVar[int]
     DECODE_LOCAL_RESIDUAL_S_FIELD_NUMBER: _ClassVar[int]
+    PD_RESIDUAL_BY_ENGINE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_LOCAL_RESIDUAL_BY_ENGINE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     block_keys: _containers.RepeatedScalarFieldContainer[bytes]
     num_tokens: int
@@ -376,7 +392,9 @@ class PlaceRequest(_message.Message):
     in_flight_tokens: _containers.ScalarMap[str, int]
     pd_residual_s: float
     decode_local_residual_s: float
-    def __init__(self, session_id: _Optional[str] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., pin: _Optional[bool] = ..., traceparent: _Optional[str] = ..., no_decode_local: _Optional[bool] = ..., in_flight: _Optional[_Mapping[str, int]] = ..., counts_in_flight: _Optional[bool] = ..., router_id: _Optional[str] = ..., in_flight_tokens: _Optional[_Mapping[str, int]] = ..., pd_residual_s: _Optional[float] = ..., decode_local_residual_s: _Optional[float] = ...) -> None: ...
+    pd_residual_by_engine: _containers.ScalarMap[str, float]
+    decode_local_residual_by_engine: _containers.ScalarMap[str, float]
+    def __init__(self, session_id: _Optional[str] = ..., block_keys: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., layout_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., pin: _Optional[bool] = ..., traceparent: _Optional[str] = ..., no_decode_local: _Optional[bool] = ..., in_flight: _Optional[_Mapping[str, int]] = ..., counts_in_flight: _Optional[bool] = ..., router_id: _Optional[str] = ..., in_flight_tokens: _Optional[_Mapping[str, int]] = ..., pd_residual_s: _Optional[float] = ..., decode_local_residual_s: _Optional[float] = ..., pd_residual_by_engine: _Optional[_Mapping[str, float]] = ..., decode_local_residual_by_engine: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class CostEstimate(_message.Message):
     __slots__ = ("transfer_s", "recompute_s", "bandwidth_bytes_per_s", "prefill_tokens_per_s", "bytes_per_block", "measured", "decode_local_s", "prefill_local_s", "transfer_path_s", "recompute_path_s", "prefill_queue_s", "decode_stall_s", "pd_residual_s", "decode_local_residual_s")

@@ -77,6 +77,8 @@ def publish(**overrides: Any) -> pb.PublishLeaseRequest:
     for name, value in overrides.items():
         if isinstance(value, list):
             getattr(request, name)[:] = value
+        elif isinstance(value, dict):
+            getattr(request, name).update(value)
         else:
             setattr(request, name, value)
     return request
@@ -87,6 +89,8 @@ def place(**overrides: Any) -> pb.PlaceRequest:
     for name, value in overrides.items():
         if isinstance(value, list):
             getattr(request, name)[:] = value
+        elif isinstance(value, dict):
+            getattr(request, name).update(value)
         else:
             setattr(request, name, value)
     return request
@@ -148,6 +152,10 @@ CASES: list[tuple[str, str, Any, grpc.StatusCode, str]] = [
     ("place-unknown-layout", "Place", place(layout_fingerprint="fp-none"), PRECONDITION, "layout_fingerprint"),
     ("place-nan-residual", "Place", place(pd_residual_s=float("nan")), INVALID, "pd_residual_s"),
     ("place-huge-residual", "Place", place(decode_local_residual_s=-1e9), INVALID, "decode_local_residual_s"),
+    ("place-engine-residual", "Place", place(pd_residual_by_engine={"p0": float("inf")}), INVALID,
+     "pd_residual_by_engine"),
+    ("place-residual-no-engine", "Place", place(decode_local_residual_by_engine={"": 0.1}), INVALID,
+     "decode_local_residual_by_engine"),
     # RenewLease / ReleaseLease
     ("renew-unknown", "RenewLease", pb.RenewLeaseRequest(lease_id="nope"), NOT_FOUND, "lease_id"),
     ("renew-ttl-negative", "RenewLease", pb.RenewLeaseRequest(lease_id=LEASE, ttl_s=-1), INVALID, "ttl_s"),

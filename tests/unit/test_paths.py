@@ -135,6 +135,24 @@ def test_a_residual_moves_a_price_at_most_by_the_policys_bound() -> None:
     assert (within.cost.pd_residual_s, within.cost.decode_local_residual_s) == (0.3, -0.2)
 
 
+def test_a_residual_measured_per_engine_reprices_that_engine_only() -> None:
+    """A router that measured its P/D turns on prefill engine p1 1.5 s over their estimates (a stall there) and
+    none on p2 sends them per engine: p1's paths carry the 1.5 s, p2's nothing, and the turn goes to p2, which the
+    kind's figure alone (1.5 s on every P/D path) would not tell apart."""
+    engines = [engine("p1", Role.PREFILL, prefill_tokens_per_s=10_000, queued_prefill_tokens=0),
+               engine("p2", Role.PREFILL, prefill_tokens_per_s=10_000, queued_prefill_tokens=500),
+               engine("d", Role.DECODE, prefill_tokens_per_s=10_000, queued_prefill_tokens=0)]
+    tokens = 40 * BS
+    keys = block_keys(list(range(tokens)), BS, ExtraKeys(FP))
+    kind_only = place(PlaceInput(keys, tokens, FP, BS, "s", decode_local=False, pd_residual_s=1.5), engines, [],
+                      PlacementPolicy())
+    assert kind_only.prefill.engine_id == "p1"  # the shorter queue: the kind's residual is on both
+    per_engine = place(PlaceInput(keys, tokens, FP, BS, "s", decode_local=False, pd_residual_s=1.5,
+                                  pd_residual_by_engine={"p1": 1.5}), engines, [], PlacementPolicy())
+    assert per_engine.prefill.engine_id == "p2" and per_engine.cost.pd_residual_s == 0.0
+    assert per_engine.cost.recompute_path_s == pytest.approx(kind_only.cost.recompute_path_s - 1.5 + 500 / 10_000)
+
+
 def test_a_prefill_engine_with_the_prefix_in_its_own_cache_serves_it_without_a_pull() -> None:
     plan = plan_for(64 * BS + 100, cluster(), cached={"p2": 64})
     assert (plan.decision, plan.reason) == (Decision.PREFILL_LOCAL, "local_prefix")
