@@ -62,6 +62,21 @@ def leases_of(stub: broker_pb2_grpc.KVBrokerStub, engine_id: str) -> list[pb.Lea
     reply = stub.Inspect(pb.InspectRequest(), timeout=5)
     return [lease for lease in reply.leases if lease.engine_id == engine_id]
 
+def expire_all_leases(stub: broker_pb2_grpc.KVBrokerStub, engine_id: str) -> None:
+    """A clean baseline: every lease of ``engine_id`` made to expire, and none left. A lease the previous test's
+    last turn publishes while this runs is shortened too, once (renewing a lease at every poll would keep it)."""
+    shortened: set[str] = set()
+
+    def leases() -> list[pb.Lease]:
+        held = leases_of(stub, engine_id)
+        for lease in held:
+            if lease.lease_id not in shortened:
+                stub.RenewLease(pb.RenewLeaseRequest(lease_id=lease.lease_id, ttl_s=1.0), timeout=5)
+                shortened.add(lease.lease_id)
+        return held
+
+    wait_for(leases, lambda held: not held, timeout_s=30, what="no leases")
+
 
 def engines_registered(stub: broker_pb2_grpc.KVBrokerStub) -> set[str]:
     return {e.engine.engine_id for e in stub.Inspect(pb.InspectRequest(), timeout=5).engines}
@@ -207,10 +222,8 @@ def test_failed_pull_recomputes_without_hanging(pd_engines: PDEngines, driver: P
 def test_evicted_lease_recomputes_and_frees_its_blocks(pd_engines: PDEngines, driver: PDDriver,
                                                        broker_stub: broker_pb2_grpc.KVBrokerStub) -> None:
     decode = pd_engines.decode
-    for lease in leases_of(broker_stub, decode.engine_id):  # a clean baseline: nothing retained
-        broker_stub.RenewLease(pb.RenewLeaseRequest(lease_id=lease.lease_id, ttl_s=1.0), timeout=5)
     usage = lambda: metric(scrape(decode.url), "vllm:kv_cache_usage_perc")  # noqa: E731
-    wait_for(lambda: leases_of(broker_stub, decode.engine_id), lambda ls: not ls, timeout_s=30, what="no leases")
+    expire_all_leases(broker_stub, decode.engine_id)  # a clean baseline: nothing retained
     baseline = wait_for(usage, lambda u: u == 0.0, timeout_s=30, what="decode KV usage back to zero")
     t1 = first_turn(driver, broker_stub, pd_engines, "s-evict", seed=11, prefill_salt="evict-1")
     assert usage() > baseline
@@ -232,9 +245,7 @@ def test_an_agents_end_frees_its_sessions_blocks_on_the_engine(pd_engines: PDEng
     sidecar's eviction stream, frees the blocks, long before the lease's TTL."""
     decode = pd_engines.decode
     usage = lambda: metric(scrape(decode.url), "vllm:kv_cache_usage_perc")  # noqa: E731
-    for lease in leases_of(broker_stub, decode.engine_id):  # a clean baseline: nothing retained
-        broker_stub.RenewLease(pb.RenewLeaseRequest(lease_id=lease.lease_id, ttl_s=1.0), timeout=5)
-    wait_for(lambda: leases_of(broker_stub, decode.engine_id), lambda ls: not ls, timeout_s=30, what="no leases")
+    expire_all_leases(broker_stub, decode.engine_id)  # a clean baseline: nothing retained
     baseline = wait_for(usage, lambda u: u == 0.0, timeout_s=30, what="decode KV usage back to zero")
     first_turn(driver, broker_stub, pd_engines, "s-end", seed=41, prefill_salt="end-1")
     assert usage() > baseline
@@ -255,9 +266,7 @@ def test_a_lease_demoted_under_memory_pressure_is_pulled_from_the_host_tier(
     recompute's. The tier's slots start zeroed, so a copy that did not happen would change the answer."""
     decode = pd_engines.decode
     usage = lambda: metric(scrape(decode.url), "vllm:kv_cache_usage_perc")  # noqa: E731
-    for lease in leases_of(broker_stub, decode.engine_id):  # one lease, so pressure picks it
-        broker_stub.RenewLease(pb.RenewLeaseRequest(lease_id=lease.lease_id, ttl_s=1.0), timeout=5)
-    wait_for(lambda: leases_of(broker_stub, decode.engine_id), lambda ls: not ls, timeout_s=30, what="no leases")
+    expire_all_leases(broker_stub, decode.engine_id)  # a clean baseline: nothing retained
     baseline = wait_for(usage, lambda u: u == 0.0, timeout_s=30, what="decode KV usage back to zero")
     t1 = first_turn(driver, broker_stub, pd_engines, "s-tier", seed=31, prefill_salt="tier-1")
     (lease,) = leases_of(broker_stub, decode.engine_id)
@@ -298,9 +307,7 @@ def test_a_decode_local_turn_is_retained_and_its_blocks_freed_with_its_lease(
     usage = lambda: metric(scrape(decode.url), "vllm:kv_cache_usage_perc")  # noqa: E731
     wait_for(lambda: engines_registered(broker_stub), lambda ids: decode.engine_id in ids, timeout_s=60,
              what="the decode engine registered")
-    for lease in leases_of(broker_stub, decode.engine_id):
-        broker_stub.RenewLease(pb.RenewLeaseRequest(lease_id=lease.lease_id, ttl_s=1.0), timeout=5)
-    wait_for(lambda: leases_of(broker_stub, decode.engine_id), lambda ls: not ls, timeout_s=30, what="no leases")
+    expire_all_leases(broker_stub, decode.engine_id)  # a clean baseline: nothing retained
     wait_for(usage, lambda u: u == 0.0, timeout_s=30, what="decode KV usage at zero")
     body = {"model": pd_engines.model_name, "prompt": tokens(random.Random(21), 400), "max_tokens": 8,
             "temperature": 0, "return_token_ids": True, "kv_transfer_params": decode_local_params("s-local")}
