@@ -67,6 +67,9 @@ from kvloop.shared.paths import IMPORT_ROOT
 from kvloop.shared.procs import free_port
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+LOOPBACK_UCX = {"UCX_TLS": "tcp,self,sm", "UCX_NET_DEVICES": "lo"}
+"""UCX for NIXL between processes of one machine: shared memory, TCP over lo for what needs a socket, never eth0
+(``UCX_TLS=self,sm`` alone fails between processes: "Destination is unreachable")."""
 _PR_SET_PDEATHSIG = 1
 
 
@@ -290,10 +293,8 @@ def build_env(config: EngineConfig, *, work_dir: Path, run_dir: Path, nixl_port:
     env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = nixl_host
     env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(nixl_port)
     if nixl_host in LOOPBACK:
-        # Shared memory within the machine, TCP over lo for what needs a socket; never eth0.
-        # (UCX_TLS=self,sm alone fails between processes: "Destination is unreachable".)
-        env.setdefault("UCX_TLS", "tcp,self,sm")
-        env.setdefault("UCX_NET_DEVICES", "lo")
+        for name, value in LOOPBACK_UCX.items():
+            env.setdefault(name, value)
     # This kvloop on the path, so ``-m kvloop.engines.vllm_entry`` and the connector module import from any cwd.
     root = str(IMPORT_ROOT)
     env["PYTHONPATH"] = os.pathsep.join([root, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])

@@ -27,8 +27,8 @@ class TurnBooks:
         self.recent = RecentTurns(config.publication_wait_s)
         self.residuals = PathResiduals(config.residual_window_s, config.residual_samples) \
             if config.residual_window_s > 0 else None
-        self.drift = DriftAlarm(config.drift_log_s)
         """This router's measure of the broker's estimates, sent with each placement (None: measures none)."""
+        self.drift = DriftAlarm(config.drift_log_s)
 
     def track(self, engine_id: str, tokens: int = 0) -> AbstractContextManager[Callable[[], None]]:
         """Counts one request to ``engine_id`` in flight while the block runs, and its ``tokens`` to compute until

@@ -38,7 +38,7 @@ def sse_data(line: bytes | str) -> dict[str, Any] | None:
     payload = raw[5:].lstrip()
     if not payload.startswith(b"{"):
         return None
-    # msgspec's decoder: a third of json's time on a chunk, and this runs once per relayed token.
+    # msgspec's decoder: a quarter of json's time on a chunk (1.3 against 5.5 us here), once per relayed token.
     event: dict[str, Any] = msgspec.json.decode(payload)
     return event
 

@@ -16,6 +16,8 @@ import statistics
 import time
 from typing import Any
 
+from kvloop.engines.launcher import LOOPBACK_UCX
+
 
 def agent(name: str, delay_us: int) -> Any:
     from vllm.distributed.nixl_utils import NixlWrapper, nixl_agent_config
@@ -56,7 +58,8 @@ def read_times(delay_us: int, size: int, repeats: int, poll_s: float) -> list[fl
         for i in range(repeats + 1):
             handle = nixl.initialize_xfer("READ", local, remote, name, b"probe")
             t0 = time.perf_counter()
-            state = nixl.transfer(handle)
+            if nixl.transfer(handle) == "ERR":
+                raise RuntimeError("the READ failed to start")
             while (state := nixl.check_xfer_state(handle)) != "DONE":
                 if state == "ERR":
                     raise RuntimeError("the READ failed")
@@ -77,8 +80,8 @@ def main() -> None:
     parser.add_argument("--poll-ms", default="0,20", help="comma-separated pauses between state checks")
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
-    os.environ.setdefault("UCX_TLS", "tcp,self,sm")
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    for name, value in LOOPBACK_UCX.items():  # as the launcher sets them for engines on loopback
+        os.environ.setdefault(name, value)
     for delay in (int(d) for d in args.delays_us.split(",")):
         for poll_ms in (float(p) for p in args.poll_ms.split(",")):
             times = read_times(delay, args.mib << 20, args.repeats, poll_ms / 1e3)
