@@ -105,6 +105,45 @@ CONFIGS = ("kvloop", "kvloop_pd", "kvloop_dp", "kvloop_single", "kvloop_single_c
            "kvloop_single_gateway", "one_way", "aggregated", "aggregated_steps")
 SINGLE_FLEETS = ("kvloop_dp", "kvloop_single", "kvloop_single_chat", "kvloop_single_direct", "kvloop_single_gateway")
 BASELINE = "aggregated"
+ONE_ENGINE = ("kvloop_single", "kvloop_single_chat", "kvloop_single_direct", "kvloop_single_gateway", BASELINE,
+              "aggregated_steps")
+"""Configurations of one engine: the ones ``--engine-cores`` can give cores of their own."""
+
+
+def cpu_list(text: str) -> set[int]:
+    """The cores of a CPU list such as ``1`` or ``0-3,6``; ValueError when it is not one."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        first, last = int(low), int(high or low)
+        if first < 0 or last < first:
+            raise ValueError(part)
+        cpus.update(range(first, last + 1))
+    return cpus
+
+
+def engine_cores_problem(text: str, configs: list[str]) -> str:
+    """What is wrong with ``--engine-cores`` for these configurations; "" when nothing (or it is not given)."""
+    if not text:
+        return ""
+    try:
+        cpus = cpu_list(text)
+    except ValueError:
+        return f"--engine-cores: {text!r} is not a CPU list such as 1 or 2-3"
+    mine = os.sched_getaffinity(0)
+    if not cpus < mine:
+        return f"--engine-cores: must be some, not all, of this process's cores {sorted(mine)}"
+    if others := [c for c in configs if c not in ONE_ENGINE]:
+        return f"--engine-cores: only for configurations of one engine {list(ONE_ENGINE)}, not {others}"
+    return ""
+
+
+def pin_to_other_cores(engine_cores: str) -> list[int]:
+    """Keep this thread (and every thread and process it starts from now on: the router, broker, sidecars, the
+    engines' API servers and EngineCores, AIPerf) off ``engine_cores``; the cores it keeps."""
+    rest = sorted(os.sched_getaffinity(0) - cpu_list(engine_cores))
+    os.sched_setaffinity(0, rest)
+    return rest
 
 
 def scale_trace(lines: list[str], *, length_scale: float, time_scale: float, seconds: float) -> list[str]:
@@ -124,10 +163,12 @@ def sizing(max_prompt: int, concurrency: int) -> Sizing:
     return Sizing(max_len, one * concurrency, None, 0.5, notes)
 
 
-async def start(name: str, model: Path, work: Path, size: Sizing, timeout_s: float, records: Path | None = None
-                ) -> tuple[EngineSet, LocalCluster | None, str]:
+async def start(name: str, model: Path, work: Path, size: Sizing, timeout_s: float, records: Path | None = None,
+                worker_cores: str = "") -> tuple[EngineSet, LocalCluster | None, str]:
     """One configuration's engines (and cluster); the OpenAI URL the load goes to. ``records``: the per-turn
-    records file of the configuration's kvloop router (none for the aggregated engine, which has no router)."""
+    records file of the configuration's kvloop router (none for the aggregated engine, which has no router).
+    ``worker_cores``: the one engine's OpenMP cores (``--engine-cores``; default every core, "auto")."""
+    whole = worker_cores or "auto"
     # Every kvloop router tokenizes with the model's own tokenizer, as `kvloop up` starts it (without it, each turn
     # waited for an engine's /tokenize on the busy cores: 100 ms on average at 16 sessions, up to 1 s).
     routing: dict[str, Any] = {"tokenizer": str(model)}
@@ -137,7 +178,7 @@ async def start(name: str, model: Path, work: Path, size: Sizing, timeout_s: flo
         routing["chat_as_tokens"] = False
     token = picker_settings(routing, work) if name == "kvloop_single_gateway" else ""
     if name in SINGLE_FLEETS:
-        shares = split_cores(2) if name == "kvloop_dp" else ["auto"]
+        shares = split_cores(2) if name == "kvloop_dp" else [whole]
 
         def fleet(broker: str) -> list[Any]:
             return [engine_config(model, work, Role.BOTH, i, connector="kvloop", broker=broker, size=size,
@@ -171,8 +212,14 @@ async def start(name: str, model: Path, work: Path, size: Sizing, timeout_s: flo
         engines = cluster.engines
     elif name == "aggregated_steps":
         config = engine_config(model, work, Role.BOTH, 0, connector="none", broker="", size=size, blocks=None, extra={},
-                               cores="auto")
+                               cores=whole)
         engines = await asyncio.to_thread(start_engines, [replace(config, step_tokens=DECODE_STEP_TOKENS)])
+        return engines, None, engines.by_id("both-0").url
+    elif name == BASELINE and worker_cores:
+        # start_config's aggregated engine ("ideal") on the cores asked for: the same engine otherwise.
+        config = engine_config(model, work, Role.BOTH, 0, connector="none", broker="", size=size,
+                               blocks=size.decode_blocks, extra={}, cores=whole)
+        engines = await asyncio.to_thread(start_engines, [config])
         return engines, None, engines.by_id("both-0").url
     else:
         engines, maybe = await start_config("ideal" if name == BASELINE else name, model, work, size, timeout_s,
@@ -430,7 +477,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     for name in [n for n in args.configs.split(",") if n]:
         print(f"== {name}: engines starting", flush=True)
         records = args.router_records / f"{name}.jsonl" if args.router_records else None
-        engines, cluster, url = await start(name, model, work / name, size, args.timeout_s, records)
+        engines, cluster, url = await start(name, model, work / name, size, args.timeout_s, records,
+                                            args.engine_cores)
         router = cluster.router.url if cluster is not None and cluster.router is not None else None
         points = []
         try:
@@ -473,7 +521,10 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
               "markdown": table(configs) + "\n\n" + parts_table(configs), "workload": workload,
               "slo": asdict(args.slo), "turn_stall_bound_s": BOUND_S, "loads": loads, "aiperf": aiperf.VERSION,
               "sizing": size.notes,
-              "engines": {"cores": {**cores_record(size.cores), BASELINE: "auto"}, "one_way_connector": BASELINE_EXTRA,
+              "engines": {"cores": {**cores_record(size.cores), BASELINE: args.engine_cores or "auto",
+                                    "engine_cores": args.engine_cores or None,
+                                    "everything_else": getattr(args, "other_cores", None)},
+                          "one_way_connector": BASELINE_EXTRA,
                           "step_tokens": {"decode engines and aggregated_steps": DECODE_STEP_TOKENS,
                                           "the others": "vLLM's default"}},
               "machine": {"cpus": len(os.sched_getaffinity(0)), "model": str(model)},
@@ -517,6 +568,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout-s", type=float, default=120.0, help="a request's deadline")
     parser.add_argument("--point-timeout-s", type=float, default=1200.0, help="one load point's deadline")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--engine-cores", default="", help="a CPU list (e.g. 1): the one engine's OpenMP workers on "
+                        "these cores and everything else the bench starts (kvloop's router, broker and sidecar, the "
+                        "engine's API server and EngineCore, AIPerf) on the other cores, in every configuration: "
+                        "kvloop's parts priced off the engine's cores, as on a machine with cores to spare; only for "
+                        "configurations of one engine (default: every process on every core)")
     parser.add_argument("--aiperf-root", type=Path, default=None, help="where AIPerf's environment lives "
                         "(default .kvloop/)")
     parser.add_argument("--work-dir", type=Path, default=None)
@@ -541,6 +597,8 @@ def validate(args: argparse.Namespace) -> str:
     if not args.trace and any(v != int(v) for v in loads):
         return "--loads: whole numbers of concurrent sessions"
     if problem := prefill_engines_problem(args.prefill_engines):
+        return problem
+    if problem := engine_cores_problem(args.engine_cores, [c for c in args.configs.split(",") if c]):
         return problem
     if args.trace is not None and not args.trace.is_file():
         return f"--trace: no file {args.trace}"
@@ -573,6 +631,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"kvloop bench load: {problem}", file=sys.stderr)
         return 2
     args.slo = Slo(ttft_ms=args.ttft_slo_ms, itl_ms=args.itl_slo_ms)
+    if args.engine_cores:
+        args.other_cores = pin_to_other_cores(args.engine_cores)
+        print(f"engines' workers on cores {args.engine_cores}, everything else on {args.other_cores}", flush=True)
     shapes = parse_shapes(args.shapes)
     results = {}
     for shape in shapes:
