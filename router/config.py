@@ -73,6 +73,11 @@ class RouterConfig(ServiceConfig):
     ext_proc_token_file: Path | None = setting(None, "file holding the token the gateway sends as 'authorization: "
                                                      "Bearer TOKEN' on ext_proc streams (Envoy: grpc_service's "
                                                      "initial_metadata); required with ext_proc_listen")
+    ext_proc_mesh_callers: str = setting("", "comma-separated SPIFFE ids of gateways let in by the mesh: an "
+                                             "ext_proc stream whose x-forwarded-client-cert (set by this pod's mesh "
+                                             "sidecar after mutual TLS) names one of them needs no token; only "
+                                             "where every connection to ext_proc_listen passes such a sidecar "
+                                             "(Istio, STRICT mTLS)")
     dev_open_ext_proc: bool = setting(False, "development only: take ext_proc streams from any caller (logged at "
                                              "start)")
     port_file: str = setting("", "write the bound HTTP port here once serving (for launchers)")
@@ -129,13 +134,20 @@ class RouterConfig(ServiceConfig):
             self.api_keys()
         if self.ext_proc_listen:
             parse_host_port(self.ext_proc_listen, "ext_proc_listen")
-            self._require(self.ext_proc_token_file is not None or self.dev_open_ext_proc, "ext_proc_token_file",
-                          "the picker checks its caller: set ext_proc_token_file (dev_open_ext_proc opens it for "
-                          "development only)")
+            self._require(self.ext_proc_token_file is not None or bool(self.mesh_callers())
+                          or self.dev_open_ext_proc, "ext_proc_token_file",
+                          "the picker checks its caller: set ext_proc_token_file or ext_proc_mesh_callers "
+                          "(dev_open_ext_proc opens it for development only)")
+            self._require(all(c.startswith("spiffe://") for c in self.mesh_callers()), "ext_proc_mesh_callers",
+                          "must list SPIFFE ids such as spiffe://cluster.local/ns/NS/sa/ACCOUNT")
             if self.ext_proc_token_file is not None:
                 self.ext_proc_token()
         self._require(all(p.startswith("/") for p in self.open_path_set()), "open_paths",
                       "must list absolute paths such as /health")
+
+    def mesh_callers(self) -> list[str]:
+        """The SPIFFE ids of ``ext_proc_mesh_callers``."""
+        return [c.strip() for c in self.ext_proc_mesh_callers.split(",") if c.strip()]
 
     def ext_proc_token(self) -> bytes | None:
         """The token ext_proc callers must send (None: ``dev_open_ext_proc``)."""

@@ -12,12 +12,12 @@ beside the decode engine (llm-d's way): the plan never leaves the picker, so no 
 
 Refusals are Envoy immediate responses in OpenAI's error shape: 401 (API key), 400/404 (the request), 503 (no
 engine of the gateway's subset, ``envoy.lb.subset_hint``, can serve it), and the router's own statuses (504...).
-The stream's caller must send the ext_proc token (``ext_proc_token_file``) unless ``dev_open_ext_proc``.
+The stream's caller must send the ext_proc token (``ext_proc_token_file``) or come through the mesh as one of
+``ext_proc_mesh_callers`` (:mod:`.picker_callers`), unless ``dev_open_ext_proc``.
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 import time
 from collections.abc import AsyncIterator
@@ -30,6 +30,7 @@ from google.protobuf import struct_pb2
 
 from kvloop.router.errors import TurnError
 from kvloop.router.outcome import Turn
+from kvloop.router.picker_callers import CallerCheck
 from kvloop.router.plan import decode_request
 from kvloop.router.server import decision_headers, tenant_of
 from kvloop.router.turn import TurnRunner
@@ -207,8 +208,8 @@ class PickerStream:
 
 
 class Picker(ep_grpc.ExternalProcessorServicer):
-    def __init__(self, app: Any, token: bytes | None, keys: list[tuple[bytes, str]]) -> None:
-        self.app, self.token, self.keys = app, token, keys
+    def __init__(self, app: Any, callers: CallerCheck, keys: list[tuple[bytes, str]]) -> None:
+        self.app, self.callers, self.keys = app, callers, keys
         """``app``: the router's ``RouterApp`` (its runners, metrics and model)."""
 
     def tenant(self, authorization: str) -> str:
@@ -223,12 +224,10 @@ class Picker(ep_grpc.ExternalProcessorServicer):
 
     async def Process(self, request_iterator: AsyncIterator[ep.ProcessingRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[ep.ProcessingResponse]:
-        if self.token is not None:
-            sent = dict(context.invocation_metadata() or ()).get("authorization", "")
-            if not hmac.compare_digest(str(sent).encode(), b"Bearer " + self.token):
-                log.info("picker.refused_caller", peer=context.peer())
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED, "authorization: the picker wants 'Bearer "
-                                    "<token>' metadata, the token of ext_proc_token_file")
+        metadata = {k: str(v) for k, v in context.invocation_metadata() or ()}
+        if refusal := self.callers.refusal(metadata):
+            log.info("picker.refused_caller", peer=context.peer())
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, refusal)
         stream = PickerStream(self)
         try:
             async for request in request_iterator:

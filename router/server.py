@@ -486,16 +486,22 @@ async def start_router(config: RouterConfig) -> RunningRouter:
 async def start_picker(config: RouterConfig, app: RouterApp, keys: list[tuple[bytes, str]]) -> GrpcShell:
     """The endpoint picker's gRPC port (:mod:`kvloop.router.picker`): ext_proc, health and reflection."""
     from kvloop.router import picker
+    from kvloop.router.picker_callers import CallerCheck
     from kvloop.v1 import ext_proc_pb2_grpc
 
-    servicer = picker.Picker(app, config.ext_proc_token(), keys)
+    callers = CallerCheck(config.ext_proc_token(), config.mesh_callers())
+    servicer = picker.Picker(app, callers, keys)
     shell = await start_grpc_server(
         listen=config.ext_proc_listen, services=[picker.SERVICE],
         add_servicers=lambda server, _port: ext_proc_pb2_grpc.add_ExternalProcessorServicer_to_server(servicer,
                                                                                                       server))
     for name in picker.HEALTH_SERVICES:
         await shell.set_serving(name, True)
-    if config.dev_open_ext_proc and config.ext_proc_token_file is None:
+    if callers.mesh_callers:
+        log.info("router.picker_mesh_callers", callers=sorted(callers.mesh_callers),
+                 detail="ext_proc streams whose x-forwarded-client-cert names one of these need no token: the "
+                        "port must be reachable only through this pod's mesh sidecar")
+    if callers.open:
         log.warning("router.picker_open", detail="dev_open_ext_proc: ext_proc streams are taken from any caller "
                     "(development only)")
     log.info("router.picker_listening", address=f"{config.ext_proc_listen.rsplit(':', 1)[0]}:{shell.port}")

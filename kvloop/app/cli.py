@@ -1,5 +1,5 @@
 """The ``kvloop`` command: ``broker serve|status``, ``up``, ``demo``, ``analyze``, ``router``,
-``model tiny|fingerprint``, ``engine``, ``sidecar``,
+``model tiny|fingerprint``, ``engine``, ``sidecar``, ``gateway config``,
 ``bench broker|broker-scale|engines|multiturn|load|chaos|profile``, ``plan simulate|compare|roofline``."""
 
 from __future__ import annotations
@@ -308,6 +308,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="a scripted agent session through a running router, turn by turn")
     demo_add_arguments(demo)
     demo.set_defaults(func=_demo)
+
+    gateway = sub.add_parser("gateway", help="Envoy in front of the endpoint picker (docs/gateway.md)").add_subparsers(
+        dest="gateway_command", required=True)
+    from kvloop.app.gateway import add_config_arguments as add_gateway_config_arguments
+    add_gateway_config_arguments(gateway.add_parser("config", help="write Envoy's bootstrap for a picker (and the "
+                                                                     "ext_proc token, when there is none yet)"))
 
     model = sub.add_parser("model", help="local models").add_subparsers(dest="model_command", required=True)
     tiny = model.add_parser("tiny", help="build (and briefly train) a tiny causal LM with a tokenizer, no downloads")

@@ -14,7 +14,11 @@ would hand it to a cluster that has none to send it to. Envoy answers it at once
 
 from __future__ import annotations
 
+import argparse
+import ipaddress
 import json
+import os
+import secrets
 import time
 import urllib.request
 from pathlib import Path
@@ -35,8 +39,10 @@ def ensure_envoy(root: Path) -> Path:
 
 
 def envoy_config(picker: str, token: str | None, *, listen: str = "127.0.0.1:0", admin: str = "127.0.0.1:0",
-                 message_timeout_s: float = 120.0) -> dict[str, Any]:
-    """Envoy's bootstrap: ``picker`` is the picker's host:port, ``token`` the ext_proc token (None: none sent)."""
+                 message_timeout_s: float = 120.0, metadata: dict[str, str] | None = None) -> dict[str, Any]:
+    """Envoy's bootstrap: ``picker`` is the picker's host:port, ``token`` the ext_proc token (None: none sent),
+    ``metadata`` more gRPC metadata on every ext_proc stream (the tests stand in for a mesh sidecar's with it)."""
+    sent = {**({"authorization": f"Bearer {token}"} if token else {}), **(metadata or {})}
     def address(host_port: str) -> dict[str, Any]:
         host, _, port = host_port.rpartition(":")
         return {"socket_address": {"address": host.strip("[]"), "port_value": int(port)}}
@@ -44,8 +50,7 @@ def envoy_config(picker: str, token: str | None, *, listen: str = "127.0.0.1:0",
     ext_proc = {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
         "grpc_service": {"envoy_grpc": {"cluster_name": "kvloop_picker"}, "timeout": f"{message_timeout_s:g}s",
-                         **({"initial_metadata": [{"key": "authorization", "value": f"Bearer {token}"}]}
-                            if token else {})},
+                         **({"initial_metadata": [{"key": k, "value": v} for k, v in sent.items()]} if sent else {})},
         "failure_mode_allow": False,
         "allow_mode_override": False,
         "message_timeout": f"{message_timeout_s:g}s",
@@ -78,7 +83,9 @@ def envoy_config(picker: str, token: str | None, *, listen: str = "127.0.0.1:0",
                 {"name": "kvloop_engines", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED",
                  "connect_timeout": "5s",
                  "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION}},
-                {"name": "kvloop_picker", "type": "STATIC", "connect_timeout": "1s",
+                # A picker named by host name (a compose service) is looked up; an address is taken as it is.
+                {"name": "kvloop_picker", "type": "STATIC" if is_address(picker) else "STRICT_DNS",
+                 "connect_timeout": "1s",
                  "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                      "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
                      "explicit_http_config": {"http2_protocol_options": {}}}},
@@ -86,6 +93,49 @@ def envoy_config(picker: str, token: str | None, *, listen: str = "127.0.0.1:0",
                      {"lb_endpoints": [{"endpoint": {"address": address(picker)}}]}]}}],
         },
     }
+
+
+def is_address(host_port: str) -> bool:
+    try:
+        ipaddress.ip_address(host_port.rpartition(":")[0].strip("[]"))
+    except ValueError:
+        return False
+    return True
+
+
+def write_bootstrap(args: argparse.Namespace) -> int:
+    """``kvloop gateway config``: Envoy's bootstrap for a picker at ``--picker``, with the token of ``--token-file``
+    (made there first, readable by its owner only, when the file does not exist: the picker reads the same file)."""
+    from kvloop.shared.auth import write_private
+    from kvloop.shared.config import parse_host_port
+
+    for field in ("picker", "listen", "admin"):
+        parse_host_port(getattr(args, field), field)
+    token_file = Path(args.token_file)
+    if not token_file.exists():
+        write_private(token_file, secrets.token_hex(32))
+    token = token_file.read_text().strip()
+    config = envoy_config(args.picker, token, listen=args.listen, admin=args.admin)
+    out = write_private(Path(args.out), yaml.safe_dump(config, sort_keys=False))
+    if args.owner:  # a job run as root hands both files to the services' user
+        uid, _, gid = args.owner.partition(":")
+        for path in {token_file, out, token_file.parent, out.parent}:
+            os.chown(path, int(uid), int(gid or uid))
+    print(f"wrote {args.out}: Envoy on {args.listen}, picker {args.picker}, token from {token_file}")
+    return 0
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--picker", required=True, help="the picker's ext_proc host:port (kvloop router "
+                                                       "--ext-proc-listen); a host name is looked up by Envoy")
+    parser.add_argument("--listen", default="0.0.0.0:8081", help="Envoy's HTTP listener, host:port")
+    parser.add_argument("--admin", default="127.0.0.1:9901", help="Envoy's admin port, host:port (keep it local)")
+    parser.add_argument("--token-file", required=True, help="the ext_proc token (the picker's ext_proc_token_file); "
+                                                          "made when it does not exist")
+    parser.add_argument("--out", required=True, help="where to write the bootstrap (YAML, readable by its owner only)")
+    parser.add_argument("--owner", default="", help="UID:GID to hand the token and the bootstrap to (a job run as "
+                                                     "root)")
+    parser.set_defaults(func=write_bootstrap)
 
 
 def start_envoy(envoy: Path, config: dict[str, Any], run_dir: Path, name: str = "envoy",

@@ -123,6 +123,8 @@ def listening_ports(checked: Checked) -> set[int]:
             ports.add(parse_host_port(c.metrics_listen, "metrics_listen")[1])
     elif isinstance(c, RouterConfig):
         ports.add(parse_host_port(c.listen, "listen")[1])
+        if c.ext_proc_listen:
+            ports.add(parse_host_port(c.ext_proc_listen, "ext_proc_listen")[1])
     elif isinstance(c, EngineConfig):
         ports |= {c.port, c.nixl_port}
     return ports - {0}

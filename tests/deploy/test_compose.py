@@ -6,9 +6,11 @@ its sha256 beside it), so the check needs no network: only the dev extra from Py
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import importlib.resources
+import io
 import json
 import re
 from collections.abc import Mapping
@@ -21,6 +23,7 @@ import yaml
 
 from kvloop.broker.config import BrokerConfig
 from kvloop.engines.config import EngineConfig
+from kvloop.router.config import RouterConfig
 from tests.deploy.support import (
     AUTH_SECRET,
     AUTH_TOKEN,
@@ -93,6 +96,9 @@ def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
                 target[key] = {**target[key], **value}
             else:
                 target[key] = copy.deepcopy(value)
+    for key in ("volumes", "networks"):  # top-level definitions merge by name
+        if key in override:
+            out[key] = {**out.get(key, {}), **copy.deepcopy(override[key])}
     return out
 
 
@@ -191,16 +197,18 @@ def check_topology(doc: dict[str, Any], checked: dict[str, Checked]) -> None:
                 getattr(engine.config, "engine_id", "")]
         assert len(pair) == 1, f"{engine_name}: exactly one sidecar"
         sidecar_name = next(n for n, s in sidecars.items() if s is pair[0])
-        check_engine_sidecar_pair(engine, pair[0], f"{engine_name} + {sidecar_name}", engine_host=engine_name)
+        ipv4 = services[engine_name]["networks"]["kvloop"]["ipv4_address"]
+        check_engine_sidecar_pair(engine, pair[0], f"{engine_name} + {sidecar_name}", engine_host=ipv4)
         socket_dir = str(Path(str(getattr(pair[0].config, "socket", ""))).parent.parent)
         for svc_name in (engine_name, sidecar_name):
             mounts = [str(v).split(":")[1] for v in services[svc_name].get("volumes", [])]
             assert socket_dir in mounts, f"{svc_name}: the socket's volume {socket_dir} is not mounted"
-        ipv4 = services[engine_name]["networks"]["kvloop"]["ipv4_address"]
         assert isinstance(engine.config, EngineConfig) and engine.config.resolved_nixl_host() == ipv4, \
             f"{engine_name}: nixl_host must be the engine's own static address {ipv4}"
     # Addresses a kvloop service is told to reach: services of this file, on ports they listen on.
     listen = {n: listening_ports(c) for n, c in checked.items()}
+    static = {svc["networks"]["kvloop"]["ipv4_address"]: n for n, svc in services.items()
+              if isinstance(svc.get("networks"), dict) and "ipv4_address" in svc["networks"].get("kvloop", {})}
     for name, c in checked.items():
         cfg = c.config
         targets: list[str] = []
@@ -210,6 +218,7 @@ def check_topology(doc: dict[str, Any], checked: dict[str, Checked]) -> None:
             targets.append(str(getattr(cfg, "engine_url", "")).split("://", 1)[1].split("/")[0])
         for t in targets:
             host, port = t.rsplit(":", 1)
+            host = static.get(host, host)
             assert host in listen, f"{name}: {t} names no kvloop service"
             assert int(port) in listen[host], f"{name}: {t}: {host} listens on {sorted(listen[host])}"
     # Published and health-checked ports are ones the service listens on.
@@ -233,7 +242,7 @@ def check_topology(doc: dict[str, Any], checked: dict[str, Checked]) -> None:
         else:
             assert host in services, f"prometheus: {t} is no service"
     for name, c in checked.items():
-        if c.command not in ("model fingerprint", "auth init"):  # one-shot jobs
+        if c.command not in ("model fingerprint", "auth init", "gateway config"):  # one-shot jobs
             assert any(t.split(":")[0] == name for t in scraped), f"prometheus does not scrape {name}"
 
 
@@ -332,6 +341,60 @@ def test_dashboard_uses_real_metric_names() -> None:
                    "kvloop_router_pull_bytes_total", "kvloop_broker_evictions_total", "kvloop_broker_retained_blocks"):
         assert wanted in used, wanted
     assert any("vllm:" in e for e in exprs)
+
+
+GATEWAY = DEPLOY / "compose" / "gateway.yaml"
+
+
+def test_the_gateway_option_puts_envoy_before_the_router_as_its_picker(schema: dict[str, Any], tmp_path: Path
+                                                                       ) -> None:
+    """compose/gateway.yaml over the base: valid Compose; its job, run for real, writes the token the router's picker
+    reads and a bootstrap that the real Envoy accepts (--mode validate), pointing at the router's ext_proc port and
+    listening where the gateway publishes; the engines are named by address (Envoy's ORIGINAL_DST takes no name)."""
+    import subprocess
+
+    from kvloop.app.cli import main
+    from kvloop.app.gateway import ensure_envoy
+    from kvloop.engines.config import default_work_dir
+
+    doc = merge(interpolate(load(BASE), SHELL_ENV), interpolate(load(GATEWAY), SHELL_ENV))
+    errors = list(jsonschema.validators.validator_for(schema)(schema).iter_errors(doc))
+    assert not errors, [e.message for e in errors]
+    services = doc["services"]
+    job_argv = kvloop_argv("gateway-config", services["gateway-config"])
+    assert job_argv is not None
+    local = tmp_path / "gateway"
+    argv = [a.replace("/gateway/", f"{local}/") for a in job_argv]
+    owner = argv.index("--owner")
+    del argv[owner:owner + 2]  # the job's hand-over to uid 10001, which needs root
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(argv[1:]) == 0
+    token = (local / "token").read_text().strip()
+    assert len(token) >= 16 and (local / "token").stat().st_mode & 0o077 == 0
+    env = {k: str(v).replace("/gateway/", f"{local}/") for k, v in environment(services["router"]).items()}
+    router = check_kvloop(kvloop_argv("router", services["router"]) or [], env, "compose service router",
+                          stand_ins(tmp_path / "s"))
+    assert isinstance(router.config, RouterConfig) and router.config.ext_proc_token() == token.encode()
+    mounts = {svc: {str(v).split(":")[1]: str(v).split(":")[0] for v in services[svc].get("volumes", [])}
+              for svc in ("gateway-config", "router", "gateway")}
+    assert mounts["router"]["/gateway"] == mounts["gateway"]["/gateway"] == mounts["gateway-config"]["/gateway"]
+    bootstrap = yaml.safe_load((local / "envoy.yaml").read_text())
+    (picker,) = [c for c in bootstrap["static_resources"]["clusters"] if c["name"] == "kvloop_picker"]
+    address = picker["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
+    assert picker["type"] == "STRICT_DNS" and address["address"] == "router"
+    assert address["port_value"] == int(router.config.ext_proc_listen.rsplit(":", 1)[1])
+    listener = bootstrap["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"]
+    assert [str(p).rsplit(":", 1)[1] for p in services["gateway"]["ports"]] == [str(listener)]
+    command = services["gateway"]["command"]
+    assert command[command.index("-c") + 1] == "/gateway/envoy.yaml"
+    envoy = ensure_envoy(default_work_dir())
+    done = subprocess.run([str(envoy), "--mode", "validate", "-c", str(local / "envoy.yaml")], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for name in ("sidecar-prefill-0", "sidecar-prefill-1", "sidecar-decode-0"):
+        argv = services[name]["command"]
+        url = argv[argv.index("--engine-url") + 1]
+        assert re.fullmatch(r"http://\d+\.\d+\.\d+\.\d+:\d+", url), f"{name}: {url}"
 
 
 STANDINS = DEPLOY / "compose" / "standins.yaml"

@@ -1,6 +1,7 @@
 """deploy/k8s: each overlay built with kustomize, every object validated against Kubernetes' own schemas
-(kubernetes-validate, strict: unknown fields fail), Istio objects against a small schema of the fields used here,
-and every kvloop container's command and KVLOOP_ variables through the real CLI and configs.
+(kubernetes-validate, strict: unknown fields fail), the InferencePool against the Gateway API Inference Extension's
+own CRD (vendored, pinned: deploy/k8s/vendor), Istio and Gateway API objects against a small schema of the fields
+used here, and every kvloop container's command and KVLOOP_ variables through the real CLI and configs.
 
 kustomize: ``.kvloop/bin/kustomize`` (built by deploy/local/run.sh set-up when nothing else is there), else
 ``kustomize`` on PATH, else ``kubectl kustomize`` (kubectl embeds kustomize v5)."""
@@ -8,6 +9,7 @@ kustomize: ``.kvloop/bin/kustomize`` (built by deploy/local/run.sh set-up when n
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import re
 import shutil
@@ -21,6 +23,8 @@ import pytest
 import yaml
 
 from kvloop.engines.config import EngineConfig
+from kvloop.router.config import RouterConfig
+from kvloop.shared.config import parse_host_port
 from tests.deploy.support import (
     DEPLOY,
     ROOT,
@@ -35,6 +39,8 @@ from tests.deploy.support import (
 )
 
 K8S = DEPLOY / "k8s"
+GAIE_CRD = K8S / "vendor" / "gateway-api-inference-extension" / "inference.networking.k8s.io_inferencepools.yaml"
+GAIE_CRD_SHA256 = "55e0dbf39c50c4bbdd60106493a4573df4bb44479f9ce46762f1af718883e5cd"  # v1.6.0, SOURCE.md
 OVERLAYS = ["cpu-dev", "gpu", "istio"]
 KUBERNETES_VERSION = "1.32"
 # Values the kubelet would put in for the downward API, to check what the configs make of them.
@@ -128,6 +134,90 @@ ISTIO_SCHEMAS: dict[str, dict[str, Any]] = {
 }
 
 
+def _gateway_api(spec: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "object", "required": ["apiVersion", "kind", "metadata", "spec"], "additionalProperties": False,
+            "properties": {"apiVersion": {"const": "gateway.networking.k8s.io/v1"}, "kind": {"type": "string"},
+                           "metadata": _META, "spec": spec}}
+
+
+_NAME = {"type": "string", "minLength": 1, "maxLength": 253}
+# The Gateway API fields these manifests use (its CRDs are not in Kubernetes' schemas either), closed the same way.
+GATEWAY_API_SCHEMAS: dict[str, dict[str, Any]] = {
+    "Gateway": _gateway_api({
+        "type": "object", "additionalProperties": False, "required": ["gatewayClassName", "listeners"],
+        "properties": {"gatewayClassName": _NAME, "listeners": {"type": "array", "minItems": 1, "items": {
+            "type": "object", "additionalProperties": False, "required": ["name", "port", "protocol"],
+            "properties": {"name": _NAME, "port": {"type": "integer", "minimum": 1, "maximum": 65535},
+                           "protocol": {"enum": ["HTTP", "HTTPS", "TLS", "TCP", "UDP"]}}}}}}),
+    "HTTPRoute": _gateway_api({
+        "type": "object", "additionalProperties": False, "required": ["parentRefs", "rules"],
+        "properties": {
+            "parentRefs": {"type": "array", "minItems": 1, "items": {
+                "type": "object", "additionalProperties": False, "required": ["name"],
+                "properties": {"group": {"const": "gateway.networking.k8s.io"}, "kind": {"const": "Gateway"},
+                               "name": _NAME, "sectionName": _NAME}}},
+            "rules": {"type": "array", "minItems": 1, "items": {
+                "type": "object", "additionalProperties": False, "required": ["backendRefs"],
+                "properties": {
+                    "matches": {"type": "array", "items": {
+                        "type": "object", "additionalProperties": False,
+                        "properties": {"path": {"type": "object", "additionalProperties": False,
+                                                "required": ["type", "value"],
+                                                "properties": {"type": {"enum": ["Exact", "PathPrefix"]},
+                                                               "value": {"type": "string", "pattern": "^/"}}}}}},
+                    "backendRefs": {"type": "array", "minItems": 1, "items": {
+                        "type": "object", "additionalProperties": False, "required": ["group", "kind", "name"],
+                        "properties": {"group": {"const": "inference.networking.k8s.io"},
+                                       "kind": {"const": "InferencePool"}, "name": _NAME}}},
+                    "timeouts": {"type": "object", "additionalProperties": False,
+                                 "properties": {"request": {"type": "string",
+                                                            "pattern": r"^([0-9]{1,5}(h|m|s|ms)){1,4}$"}}}}}}}}),
+}
+
+
+def closed(schema: dict[str, Any]) -> dict[str, Any]:
+    """A CRD's structural schema with unknown fields refused (as kubectl's strict field validation refuses them),
+    Kubernetes' own extensions left out (jsonschema ignores them; the CEL rules are checked by hand)."""
+    out = {k: closed(v) if isinstance(v, dict) and k not in ("properties",) else v
+           for k, v in schema.items() if not k.startswith("x-kubernetes-")}
+    if "properties" in schema:
+        out["properties"] = {k: closed(v) for k, v in schema["properties"].items()}
+        if "additionalProperties" not in schema:
+            out["additionalProperties"] = False
+    if isinstance(schema.get("items"), dict):
+        out["items"] = closed(schema["items"])
+    return out
+
+
+@functools.cache
+def inference_pool_schema() -> dict[str, Any]:
+    text = GAIE_CRD.read_bytes()
+    assert hashlib.sha256(text).hexdigest() == GAIE_CRD_SHA256, f"{GAIE_CRD} does not match its sha256 (SOURCE.md)"
+    crd = yaml.safe_load(text)
+    (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    assert crd["spec"]["names"]["kind"] == "InferencePool" and v1["served"]
+    schema = closed(v1["schema"]["openAPIV3Schema"])
+    schema["properties"]["apiVersion"] = {"const": "inference.networking.k8s.io/v1"}
+    schema["properties"]["metadata"] = _META
+    schema["required"] = ["apiVersion", "kind", "metadata", "spec"]
+    return schema
+
+
+def check_inference_pool(pool: dict[str, Any]) -> None:
+    """The vendored CRD's schema, and its CEL rules (jsonschema has no CEL): target ports unique, and a Service
+    picker named with its port."""
+    where = f"InferencePool {pool['metadata']['name']}"
+    errors = list(jsonschema.Draft7Validator(inference_pool_schema()).iter_errors(pool))
+    if errors:
+        raise DeployError(f"{where}: {[f'{e.message} at {list(e.path)}' for e in errors]}")
+    numbers = [p["number"] for p in pool["spec"]["targetPorts"]]
+    if len(set(numbers)) != len(numbers):
+        raise DeployError(f"{where}: targetPorts repeat a number")
+    picker = pool["spec"].get("endpointPickerRef", {})
+    if picker.get("kind", "Service") == "Service" and "port" not in picker:
+        raise DeployError(f"{where}: endpointPickerRef: port is required when kind is 'Service' or unspecified")
+
+
 @functools.cache
 def kustomize() -> list[str] | None:
     local = ROOT / ".kvloop" / "bin" / "kustomize"
@@ -211,9 +301,14 @@ def check_pods(objects: tuple[dict[str, Any], ...], tmp: Path) -> dict[str, dict
 
 def check_objects(objects: tuple[dict[str, Any], ...], tmp: Path) -> None:
     for obj in objects:
-        kind = obj["kind"]
-        if kind in ISTIO_SCHEMAS:
-            errors = list(jsonschema.Draft7Validator(ISTIO_SCHEMAS[kind]).iter_errors(obj))
+        kind, group = obj["kind"], obj["apiVersion"].split("/")[0]
+        if kind == "InferencePool":
+            check_inference_pool(obj)
+            continue
+        schema = (GATEWAY_API_SCHEMAS.get(kind) if group == "gateway.networking.k8s.io"
+                  else ISTIO_SCHEMAS.get(kind) if group.endswith("istio.io") else None)
+        if schema is not None:
+            errors = list(jsonschema.Draft7Validator(schema).iter_errors(obj))
             assert not errors, f"{kind} {obj['metadata']['name']}: {[e.message for e in errors]}"
             continue
         try:
@@ -241,7 +336,8 @@ def check_objects(objects: tuple[dict[str, Any], ...], tmp: Path) -> None:
             assert all(probes.values()), f"{where}: needs startup, readiness and liveness probes"
             for kind, probe in probes.items():
                 assert isinstance(probe, dict)
-                if c.command in ("broker serve", "sidecar"):
+                picker = isinstance(c.config, RouterConfig) and bool(c.config.ext_proc_listen)
+                if c.command in ("broker serve", "sidecar") or picker:
                     assert "grpc" in probe, f"{where}: {kind} must be a gRPC health probe"
                     assert probe["grpc"]["port"] in ports, f"{where}: {kind} on {probe['grpc']['port']}"
                 else:
@@ -351,7 +447,7 @@ def test_istio_policies_follow_the_brokers_access_tables() -> None:
     specs = pod_specs(objects)
     assert {n: specs[n].get("serviceAccountName") for n in specs} == {
         "kvloop-broker": "kvloop-broker", "kvloop-router": "kvloop-router", "kvloop-prefill": "kvloop-engine",
-        "kvloop-decode": "kvloop-engine", "kvloop-etcd": None}
+        "kvloop-decode": "kvloop-engine", "kvloop-etcd": None, "kvloop-picker": "kvloop-router"}
     policies = {o["metadata"]["name"]: o["spec"] for o in objects if o["kind"] == "AuthorizationPolicy"}
     principal = "cluster.local/ns/kvloop/sa/{}".format
 
@@ -370,7 +466,7 @@ def test_istio_policies_follow_the_brokers_access_tables() -> None:
 
     for p in (pp for policy in policies.values() for rule in policy["rules"] for f in rule.get("from", [])
               for pp in f["source"].get("principals", [])):
-        assert p.rsplit("/", 1)[1] in accounts, p
+        assert p.rsplit("/", 1)[1] in accounts | {GATEWAY_ACCOUNT}, p
     broker = opened(policies["kvloop-broker"], "50051")
     rpc = "/kvloop.v1.KVBroker/{}".format
     assert broker[principal("kvloop-engine")] == {rpc(m) for m in (*ENGINE_RPCS, *LEASE_RPCS)}
@@ -381,6 +477,16 @@ def test_istio_policies_follow_the_brokers_access_tables() -> None:
     engines = opened(policies["kvloop-engines"], "8000")
     assert set(engines) == {principal("kvloop-router"), principal("kvloop-engine"), "ns:observability"}
     assert engines["ns:observability"] == {"/metrics"}
+    # The inference gateway: the picker's ext_proc and the decode engines' OpenAI paths, nothing else.
+    picker = opened(policies["kvloop-picker"], "9002")
+    assert picker == {principal(GATEWAY_ACCOUNT): {"/envoy.service.ext_proc.v3.ExternalProcessor/Process"},
+                      "*": {"/grpc.health.v1.Health/*"}}
+    assert opened(policies["kvloop-decode-from-gateway"], "8000") == {principal(GATEWAY_ACCOUNT): {"/v1/*"}}
+    assert policies["kvloop-decode-from-gateway"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": "decode"}
+    gateway_reaches = {name for name, policy in policies.items()
+                       if any(principal(GATEWAY_ACCOUNT) in f["source"].get("principals", [])
+                              for rule in policy["rules"] for f in rule.get("from", []))}
+    assert gateway_reaches == {"kvloop-picker", "kvloop-decode-from-gateway"}
     (netpol,) = [o["spec"] for o in objects
                  if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == "kvloop-engines"]
     assert netpol["podSelector"] == {"matchLabels": {"app.kubernetes.io/component": "engine"}}
@@ -394,6 +500,65 @@ def test_istio_policies_follow_the_brokers_access_tables() -> None:
         labels = next(o for o in objects if o["metadata"]["name"] == name and o["kind"] == "Deployment")[
             "spec"]["template"]["metadata"]["labels"]
         assert labels["app.kubernetes.io/component"] == "engine"
+
+
+GATEWAY_ACCOUNT = "kvloop-inference-istio"
+"""The service account istiod gives the Gateway API gateway kvloop-inference (its Deployment: NAME-istio)."""
+
+
+def test_the_inference_pool_sends_the_gateway_to_the_decode_engines_through_the_picker(tmp_path: Path) -> None:
+    """The InferencePool selects the decode engines' pods on their vLLM port, its picker is the picker's Service on
+    the port its ext_proc listens on, the route leads from the Gateway to the pool, and the picker admits the
+    gateway's mesh identity (and needs no token it could not be sent)."""
+    objects = build(str(K8S / "overlays" / "istio"))
+    named = {(o["kind"], o["metadata"]["name"]): o for o in objects}
+    pool = named[("InferencePool", "kvloop-decode")]
+    decode = named[("Deployment", "kvloop-decode")]["spec"]["template"]
+    labels = decode["metadata"]["labels"]
+    assert pool["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    engine = check_pods(objects, tmp_path)["kvloop-decode"]["engine"].config
+    assert isinstance(engine, EngineConfig)
+    assert [p["number"] for p in pool["spec"]["targetPorts"]] == [engine.port]
+    prefill_labels = named[("Deployment", "kvloop-prefill")]["spec"]["template"]["metadata"]["labels"]
+    assert not pool["spec"]["selector"]["matchLabels"].items() <= prefill_labels.items(), "prefill pods in the pool"
+    ref = pool["spec"]["endpointPickerRef"]
+    assert ref["failureMode"] == "FailClose"
+    service = named[("Service", ref["name"])]
+    (port,) = [p for p in service["spec"]["ports"] if p["port"] == ref["port"]["number"]]
+    assert port["appProtocol"] == "grpc"
+    picker_spec = named[("Deployment", "kvloop-picker")]["spec"]["template"]
+    assert service["spec"]["selector"].items() <= picker_spec["metadata"]["labels"].items()
+    picker = check_pods(objects, tmp_path / "p")["kvloop-picker"]["picker"].config
+    assert isinstance(picker, RouterConfig)
+    container = picker_spec["spec"]["containers"][0]
+    target = {p["name"]: p["containerPort"] for p in container["ports"]}.get(port["targetPort"], port["targetPort"])
+    assert parse_host_port(picker.ext_proc_listen, "ext_proc_listen")[1] == target
+    assert picker.mesh_callers() == [f"spiffe://cluster.local/ns/kvloop/sa/{GATEWAY_ACCOUNT}"]
+    assert picker.ext_proc_token_file is None and not picker.dev_open_ext_proc
+    route = named[("HTTPRoute", "kvloop-inference")]
+    gateway = named[("Gateway", "kvloop-inference")]
+    assert f"{gateway['metadata']['name']}-istio" == GATEWAY_ACCOUNT and gateway["spec"]["gatewayClassName"] == "istio"
+    assert [r["name"] for r in route["spec"]["parentRefs"]] == [gateway["metadata"]["name"]]
+    assert {b["name"] for rule in route["spec"]["rules"] for b in rule["backendRefs"]} == {pool["metadata"]["name"]}
+
+
+def test_the_inference_pool_is_held_to_the_vendored_crd() -> None:
+    import copy
+
+    pool = next(o for o in build(str(K8S / "overlays" / "istio")) if o["kind"] == "InferencePool")
+    check_inference_pool(pool)
+    for spoil, message in [
+        (lambda p: p["spec"]["endpointPickerRef"].update(failuremode="FailClose"), "failuremode"),
+        (lambda p: p["spec"]["endpointPickerRef"].update(failureMode="Closed"), "Closed"),
+        (lambda p: p["spec"].update(targetPortNumber=8000), "targetPortNumber"),  # the pre-GA field
+        (lambda p: p["spec"].update(targetPorts=[{"number": 8000}, {"number": 8000}]), "repeat"),
+        (lambda p: p["spec"]["endpointPickerRef"].pop("port"), "port is required"),
+        (lambda p: p["spec"].pop("selector"), "selector"),
+    ]:
+        bad = copy.deepcopy(pool)
+        spoil(bad)
+        with pytest.raises(DeployError, match=message):
+            check_inference_pool(bad)
 
 
 def test_the_checks_catch_mistakes(tmp_path: Path) -> None:

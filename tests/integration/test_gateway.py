@@ -37,6 +37,7 @@ MODEL = "m"
 FP = "fp-gateway"
 BS = 16
 KEY = "gateway-test-key"
+MESH_GATEWAY = "spiffe://cluster.local/ns/kvloop/sa/kvloop-inference-istio"
 MAX_BODY = 65536
 
 
@@ -82,7 +83,7 @@ async def gateway(broker: procs.Proc, envoy_binary: Path, tmp_path: Path) -> Asy
         router = await start_router(RouterConfig(
             listen="127.0.0.1:0", log_format="console", broker=address, refresh_s=0.2, api_key_file=tmp_path / "keys",
             ext_proc_listen="127.0.0.1:0", ext_proc_token_file=tmp_path / "ext_proc.token",
-            max_request_bytes=MAX_BODY))
+            ext_proc_mesh_callers=MESH_GATEWAY, max_request_bytes=MAX_BODY))
         assert router.picker is not None
         envoy = start_envoy(envoy_binary, envoy_config(f"127.0.0.1:{router.picker.port}", token), tmp_path)
         try:
@@ -180,6 +181,29 @@ async def test_a_gateway_without_the_token_is_refused(gateway: Gateway, envoy_bi
         assert status >= 500 and gateway.received() == before
     finally:
         stranger.stop()
+
+
+async def test_a_gateway_the_mesh_names_is_let_in_without_the_token(gateway: Gateway, envoy_binary: Path,
+                                                                   tmp_path: Path) -> None:
+    """A mesh's gateway sends no token; the picker's sidecar names it in x-forwarded-client-cert (here a second
+    Envoy sends that header itself, standing in for the sidecar). The listed identity is served, another is not."""
+    assert gateway.router.picker is not None
+    port = gateway.router.picker.port
+    for name, who, served in (("mesh-gateway", MESH_GATEWAY, True),
+                              ("mesh-other", "spiffe://cluster.local/ns/kvloop/sa/default", False)):
+        xfcc = f'By=spiffe://cluster.local/ns/kvloop/sa/kvloop-picker;Hash=00;Subject="";URI={who}'
+        envoy = start_envoy(envoy_binary, envoy_config(f"127.0.0.1:{port}", None,
+                                                       metadata={"x-forwarded-client-cert": xfcc}),
+                            tmp_path / name, name=name)
+        try:
+            before = sum(gateway.received().values())
+            status, reply, _ = await post(envoy.extra["url"], completion(tokens(BS)))
+            if served:
+                assert status == 200 and sum(gateway.received().values()) > before, reply
+            else:
+                assert status >= 500 and sum(gateway.received().values()) == before, reply
+        finally:
+            envoy.stop()
 
 
 async def test_without_the_picker_envoy_fails_closed(gateway: Gateway) -> None:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 from kvloop.app.benchmarks import aiperf
 from kvloop.app.benchmarks.aiperf import AgentLoad, Request, Slo, TraceLoad
-from kvloop.app.benchmarks.load import add_arguments, compare, scale_trace, validate
+from kvloop.app.benchmarks.load import add_arguments, compare, cpu_list, scale_trace, validate
 from kvloop.app.benchmarks.load_stats import (
     busy_share,
     cpu_by_part,
@@ -124,12 +125,33 @@ def test_ratios_against_the_aggregated_engine_are_withheld_where_a_side_is_unhea
     (["--loads", "1.5"], "--loads"), (["--ttft-slo-ms", "0"], "--ttft-slo-ms"), (["--turns", "0"], "--turns"),
     (["--trace", "/no/such/file"], "--trace"), (["--prefill-engines", "0"], "--prefill-engines"),
     (["--trace", __file__, "--trace-length-scale", "0.125"], "--trace-block-size"),  # 128 where 64 fits
+    (["--engine-cores", "one"], "--engine-cores"), (["--engine-cores", "3-1"], "--engine-cores"),
+    (["--engine-cores", "0-4095"], "--engine-cores"),  # every core: nothing left for the rest
+    (["--engine-cores", "0", "--configs", "kvloop,aggregated"], "--engine-cores"),  # P/D has more than one engine
 ])
 def test_bad_arguments_are_named(argv: list[str], field: str) -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     assert validate(parser.parse_args(argv)).startswith(field)
     assert validate(parser.parse_args([])) == ""
+
+
+def test_engine_cores_are_read_as_a_cpu_list() -> None:
+    assert cpu_list("1") == {1}
+    assert cpu_list("0-2,5") == {0, 1, 2, 5}
+    with pytest.raises(ValueError):
+        cpu_list("2-")
+
+
+def test_engine_cores_leave_the_rest_to_everything_else() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    mine = sorted(os.sched_getaffinity(0))
+    argv = ["--engine-cores", str(mine[-1]), "--configs", "kvloop_single,aggregated"]
+    if len(mine) < 2:
+        assert validate(parser.parse_args(argv)).startswith("--engine-cores")
+        return
+    assert validate(parser.parse_args(argv)) == ""
 
 
 def test_the_tokenizer_is_named_as_a_cached_hub_repo_linked_to_the_model(tmp_path: Path) -> None:

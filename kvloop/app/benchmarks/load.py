@@ -52,6 +52,7 @@ import asyncio
 import json
 import math
 import os
+import re
 import resource
 import shutil
 import statistics
@@ -114,9 +115,11 @@ def cpu_list(text: str) -> set[int]:
     """The cores of a CPU list such as ``1`` or ``0-3,6``; ValueError when it is not one."""
     cpus: set[int] = set()
     for part in text.split(","):
+        if not re.fullmatch(r"\d+(-\d+)?", part):
+            raise ValueError(part)
         low, _, high = part.partition("-")
         first, last = int(low), int(high or low)
-        if first < 0 or last < first:
+        if last < first:
             raise ValueError(part)
         cpus.update(range(first, last + 1))
     return cpus
