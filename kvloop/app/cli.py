@@ -1,6 +1,6 @@
 """The ``kvloop`` command: ``broker serve|status``, ``up``, ``demo``, ``analyze``, ``router``,
 ``model tiny|fingerprint``, ``engine``, ``sidecar``, ``gateway config``,
-``bench broker|broker-scale|engines|multiturn|load|chaos|profile``, ``plan simulate|compare|roofline``."""
+``bench broker|broker-scale|engines|multiturn|load|gateway|chaos|profile``, ``plan simulate|compare|roofline``."""
 
 from __future__ import annotations
 
@@ -218,6 +218,12 @@ def _bench_load(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
+def _bench_gateway(args: argparse.Namespace) -> int:
+    from kvloop.app.benchmarks.gateway_bench import main as bench_main
+
+    return bench_main(args)
+
+
 def _bench_chaos(args: argparse.Namespace) -> int:
     from kvloop.app.benchmarks.chaos import main as bench_main
 
@@ -394,6 +400,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_load_arguments(bench_load)
     bench_load.set_defaults(func=_bench_load)
+    bench_gateway = bench.add_parser("gateway", help="the demo session and streamed answers through the router and "
+                                                     "through Envoy with the router as its endpoint picker")
+    from kvloop.app.benchmarks.gateway_bench import add_arguments as add_gateway_arguments
+
+    add_gateway_arguments(bench_gateway)
+    bench_gateway.set_defaults(func=_bench_gateway)
     bench_chaos = bench.add_parser("chaos", help="agent sessions through the router while seeded faults hit the "
                                                  "cluster: hangs, wrong answers, books, recovery times")
     from kvloop.app.benchmarks.chaos import add_arguments as add_chaos_arguments
