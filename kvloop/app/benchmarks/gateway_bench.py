@@ -49,10 +49,10 @@ def compare_paths(runs: dict[str, list[list[dict[str, Any]]]]) -> dict[str, Any]
                 by_path.setdefault(row["decision"], {s: [] for s in SIDES})[side].append(row["ttft_ms"])
     out: dict[str, Any] = {}
     for path, sides in sorted(by_path.items()):
-        figures = {s: {"n": len(v), "median_ms": round(statistics.median(v), 1),
+        medians = {s: statistics.median(v) for s, v in sides.items()}
+        figures = {s: {"n": len(v), "median_ms": round(medians[s], 1),
                        "p90_ms": percentile(v, 0.90)} for s, v in sides.items()}  # None: too few for a p90
-        ratio = figures["envoy"]["median_ms"] / figures["router"]["median_ms"]
-        out[path] = {**figures, "envoy_over_router_median": round(ratio, 3)}
+        out[path] = {**figures, "envoy_over_router_median": round(medians["envoy"] / medians["router"], 3)}
     return {"by_path": out, "reps_with_other_paths": differing}
 
 
