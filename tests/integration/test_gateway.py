@@ -206,6 +206,18 @@ async def test_a_gateway_the_mesh_names_is_let_in_without_the_token(gateway: Gat
             envoy.stop()
 
 
+async def test_the_picker_answers_the_health_services_the_protocol_names(gateway: Gateway) -> None:
+    """GAIE's picker protocol: gRPC health for liveness, readiness and the ext_proc service, on the ext_proc port."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    assert gateway.router.picker is not None
+    async with insecure_or_secure_channel(f"127.0.0.1:{gateway.router.picker.port}", None) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING, service
+
+
 async def test_without_the_picker_envoy_fails_closed(gateway: Gateway) -> None:
     """Last: stops the picker. Envoy answers at once with a 5xx and no engine sees the request."""
     assert gateway.router.picker is not None

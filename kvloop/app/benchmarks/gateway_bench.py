@@ -95,12 +95,12 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         runs: dict[str, list[list[dict[str, Any]]]] = {s: [] for s in SIDES}
         # One run not counted: the first session of a cold cluster finds even the system prompt uncached.
         with contextlib.redirect_stdout(io.StringIO()):
-            await run_demo(urls["router"], model=model, turns=args.turns, seed=-1 - args.seed)
+            await run_demo(urls["router"], model=model, turns=args.turns, seed=1000 * args.seed + 999)
         started = time.monotonic()
         for rep in range(args.reps):
             order = SIDES if rep % 2 == 0 else SIDES[::-1]
             for i, side in enumerate(order):
-                seed = 1000 * args.seed + 2 * rep + i  # a conversation of its own
+                seed = 1000 * args.seed + 2 * rep + i  # a conversation of its own (--reps is at most 499)
                 with contextlib.redirect_stdout(io.StringIO()):
                     rows = await run_demo(urls[side], model=model, turns=args.turns, seed=seed)
                 runs[side].append(rows)
@@ -150,9 +150,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    if min(args.prefill, args.decode, args.reps, args.turns, args.requests, args.concurrency) < 1:
-        print("kvloop bench gateway: --prefill, --decode, --reps, --turns, --requests, --concurrency: at least 1",
-              file=sys.stderr)
+    if min(args.prefill, args.decode, args.reps, args.turns, args.requests, args.concurrency) < 1 or args.reps > 499:
+        print("kvloop bench gateway: --prefill, --decode, --reps, --turns, --requests, --concurrency: at least 1; "
+              "--reps at most 499 (each run's seed is its own)", file=sys.stderr)
         return 2
     result = asyncio.run(bench(args))
     print("\n" + table(result))
