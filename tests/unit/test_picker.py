@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from google.protobuf import struct_pb2
@@ -85,3 +86,36 @@ def test_envoys_config_strips_the_destination_and_fails_closed() -> None:
     ext_proc = manager["http_filters"][1]["typed_config"]
     assert ext_proc["failure_mode_allow"] is False
     assert ext_proc["grpc_service"]["initial_metadata"] == [{"key": "authorization", "value": "Bearer " + "t" * 16}]
+
+
+def test_the_bootstrap_command_makes_the_token_once_and_refuses_a_short_one(tmp_path: Path) -> None:
+    """``kvloop gateway config``: a token made where there is none (owner-only), kept on the next run, its bootstrap
+    sending it; a picker by host name is looked up, by address taken as it is."""
+    import argparse
+
+    import yaml
+
+    from kvloop.app.gateway import write_bootstrap
+
+    def run(picker: str, token_file: Path) -> dict[str, Any]:
+        args = argparse.Namespace(picker=picker, listen="0.0.0.0:8081", admin="127.0.0.1:9901",
+                                  token_file=str(token_file), out=str(tmp_path / "envoy.yaml"), owner="")
+        assert write_bootstrap(args) == 0
+        assert (tmp_path / "envoy.yaml").stat().st_mode & 0o077 == 0
+        return dict(yaml.safe_load((tmp_path / "envoy.yaml").read_text()))
+
+    token_file = tmp_path / "secret" / "token"
+    first = run("router:9002", token_file)
+    token = token_file.read_text().strip()
+    assert len(token) >= 16 and token_file.stat().st_mode & 0o077 == 0
+    picker = first["static_resources"]["clusters"][1]
+    assert picker["type"] == "STRICT_DNS"
+    assert first["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] == 8081
+    again = run("10.0.0.7:9002", token_file)
+    assert token_file.read_text().strip() == token and again["static_resources"]["clusters"][1]["type"] == "STATIC"
+    ext_proc = again["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"][
+        "http_filters"][1]["typed_config"]
+    assert ext_proc["grpc_service"]["initial_metadata"] == [{"key": "authorization", "value": f"Bearer {token}"}]
+    token_file.write_text("short\n")
+    with pytest.raises(ConfigError, match="token_file"):
+        run("router:9002", token_file)
