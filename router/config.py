@@ -7,7 +7,7 @@ import hashlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from kvloop.shared.auth import check_token_file
+from kvloop.shared.auth import check_token_file, read_shared_token
 from kvloop.shared.config import ServiceConfig, parse_host_port, setting
 from kvloop.shared.errors import ConfigError
 from kvloop.shared.telemetry import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL, LOG_FORMATS, LOG_LEVELS
@@ -150,16 +150,10 @@ class RouterConfig(ServiceConfig):
         return [c.strip() for c in self.ext_proc_mesh_callers.split(",") if c.strip()]
 
     def ext_proc_token(self) -> bytes | None:
-        """The token ext_proc callers must send (None: ``dev_open_ext_proc``)."""
+        """The token ext_proc callers may send (None: none set)."""
         if self.ext_proc_token_file is None:
             return None
-        try:
-            token = Path(self.ext_proc_token_file).read_text().strip()
-        except OSError as exc:
-            raise ConfigError(f"ext_proc_token_file: cannot read {self.ext_proc_token_file}: {exc.strerror}",
-                              field="ext_proc_token_file") from None
-        self._require(len(token) >= 16, "ext_proc_token_file", "must hold a token of at least 16 characters")
-        return token.encode()
+        return read_shared_token(Path(self.ext_proc_token_file), "ext_proc_token_file").encode()
 
     def api_keys(self) -> list[bytes]:
         """Every accepted API key (``api_key`` and the lines of ``api_key_file``); empty = no key required."""

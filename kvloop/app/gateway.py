@@ -106,18 +106,15 @@ def is_address(host_port: str) -> bool:
 def write_bootstrap(args: argparse.Namespace) -> int:
     """``kvloop gateway config``: Envoy's bootstrap for a picker at ``--picker``, with the token of ``--token-file``
     (made there first, readable by its owner only, when the file does not exist: the picker reads the same file)."""
-    from kvloop.shared.auth import write_private
+    from kvloop.shared.auth import read_shared_token, write_private
     from kvloop.shared.config import parse_host_port
-    from kvloop.shared.errors import ConfigError
 
     for field in ("picker", "listen", "admin"):
         parse_host_port(getattr(args, field), field)
     token_file = Path(args.token_file)
     if not token_file.exists():
         write_private(token_file, secrets.token_hex(32))
-    token = token_file.read_text().strip()
-    if len(token) < 16:  # the picker refuses such a token file at start (RouterConfig.ext_proc_token)
-        raise ConfigError(f"token_file: {token_file} must hold a token of at least 16 characters", field="token_file")
+    token = read_shared_token(token_file, "token_file")  # the picker reads it with the same rule
     config = envoy_config(args.picker, token, listen=args.listen, admin=args.admin)
     out = write_private(Path(args.out), yaml.safe_dump(config, sort_keys=False))
     if args.owner:  # a job run as root hands both files to the services' user

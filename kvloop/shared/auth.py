@@ -129,6 +129,24 @@ def read_token(path: Path) -> str:
     return token
 
 
+SHARED_TOKEN_MIN_CHARS = 16
+
+
+def read_shared_token(path: Path, field: str) -> str:
+    """A token both sides hold as it is (not a minted kvloop token: the picker's ext_proc token) from ``path``;
+    ConfigError naming ``field`` when the file cannot be read or holds fewer than 16 characters."""
+    from kvloop.shared.errors import ConfigError
+
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"{field}: cannot read {path}: {exc.strerror}", field=field) from None
+    if len(token) < SHARED_TOKEN_MIN_CHARS:
+        raise ConfigError(f"{field}: {path} must hold a token of at least {SHARED_TOKEN_MIN_CHARS} characters",
+                          field=field)
+    return token
+
+
 def write_private(path: Path, text: str) -> Path:
     """Write ``text`` to ``path`` readable by its owner only (created 0600, never world-readable in between)."""
     path.parent.mkdir(parents=True, exist_ok=True)
