@@ -83,10 +83,14 @@ class PathResiduals:
     def by_engine(self, kind: str, now: float) -> dict[str, float]:
         """Each engine's residual of ``kind`` now, for the engines with a turn of it in the window."""
         engines = self._by_engine.get(kind, {})
-        out = {engine: self._estimate(turns, now) for engine, turns in engines.items()}
-        for engine in [e for e, turns in engines.items() if not turns]:
-            del engines[engine]  # aged out: an engine gone from the fleet leaves nothing behind
-        return {engine: value for engine, value in out.items() if engine in engines}
+        out = {}
+        for engine, turns in list(engines.items()):
+            value = self._estimate(turns, now)  # ages its turns out first
+            if turns:
+                out[engine] = value
+            else:
+                del engines[engine]  # aged out: an engine gone from the fleet leaves nothing behind
+        return out
 
     def _estimate(self, turns: deque[tuple[float, float]] | None, now: float) -> float:
         while turns and now - turns[0][0] > self.window_s:
