@@ -218,15 +218,9 @@ async def start(name: str, model: Path, work: Path, size: Sizing, timeout_s: flo
                                cores=whole)
         engines = await asyncio.to_thread(start_engines, [replace(config, step_tokens=DECODE_STEP_TOKENS)])
         return engines, None, engines.by_id("both-0").url
-    elif name == BASELINE and worker_cores:
-        # start_config's aggregated engine ("ideal") on the cores asked for: the same engine otherwise.
-        config = engine_config(model, work, Role.BOTH, 0, connector="none", broker="", size=size,
-                               blocks=size.decode_blocks, extra={}, cores=whole)
-        engines = await asyncio.to_thread(start_engines, [config])
-        return engines, None, engines.by_id("both-0").url
     else:
         engines, maybe = await start_config("ideal" if name == BASELINE else name, model, work, size, timeout_s,
-                                            records)
+                                            records, ideal_cores=worker_cores)
         if maybe is None:
             return engines, None, engines.by_id("both-0").url
         cluster = maybe

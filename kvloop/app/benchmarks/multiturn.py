@@ -215,8 +215,9 @@ UPSTREAM_EXTRA = {"kvloop_retain": False, "bidirectional_kv_xfer": True, "kv_lea
 
 
 async def start_config(name: str, model: Path, work: Path, size: Sizing, timeout_s: float,
-                       records: Path | None = None) -> tuple[EngineSet, LocalCluster | None]:
-    """``records``: the kvloop router's per-turn records file (``kvloop analyze``)."""
+                       records: Path | None = None, ideal_cores: str = "") -> tuple[EngineSet, LocalCluster | None]:
+    """``records``: the kvloop router's per-turn records file (``kvloop analyze``); ``ideal_cores``: the ideal
+    engine's OpenMP cores in place of its own (``kvloop bench load --engine-cores``)."""
     tier = (size.decode_blocks or 0) if name == "kvloop_pressure_tier" else 0
 
     def pd(connector: str, broker: str, extra: dict[str, Any]) -> list[EngineConfig]:
@@ -227,7 +228,7 @@ async def start_config(name: str, model: Path, work: Path, size: Sizing, timeout
 
     if name in ("ideal", "ideal_same_cores"):
         # No KV connector: nothing is transferred, and the engine pays for no NIXL agent.
-        cores = "auto" if name == "ideal" else role_cores(Role.DECODE)
+        cores = ideal_cores or ("auto" if name == "ideal" else role_cores(Role.DECODE))
         config = engine_config(model, work, Role.BOTH, 0, connector="none", broker="", size=size,
                                blocks=size.decode_blocks, extra={}, cores=cores)
         return await asyncio.to_thread(start_engines, [config]), None
