@@ -64,10 +64,11 @@ def test_a_long_ttft_explained_by_a_long_prompt_at_the_measured_rate_is_not_a_st
     # 6,000 tokens computed at 1,000 tokens/s: 6 s of prefill; 6.1 s to the first token is explained.
     long = turn("long", start=0.0, ttft=6.1, computed=6000)
     assert find_stalls([long], prefill_tokens_per_s=RATE, median_gap_s=0.02).count == 0
-    # The same 6.1 s for a 200-token tail is a stall: 6.1 - (0.2 + the turn overhead) > 1 s.
+    # The same 6.1 s for a 200-token tail is a stall: 6.1 - (0.2 + the hand-off's decode step + the turn overhead)
+    # > 1 s.
     short = turn("short", start=0.0, ttft=6.1, computed=200)
     report = find_stalls([short], prefill_tokens_per_s=RATE, median_gap_s=0.02)
-    assert report.count == 1 and report.stalls[0].explained_s == 0.2 + TURN_OVERHEAD_S
+    assert report.count == 1 and report.stalls[0].explained_s == 0.2 + 0.02 + TURN_OVERHEAD_S
     # Without the engines' account, the whole prompt (8,000 tokens) counts as computed, and the report says so.
     unknown = TurnTiming("unknown", 6.1, None, 0.0, 7.0, prompt_tokens=8000, prefill_engine="p0")
     lenient = find_stalls([unknown], prefill_tokens_per_s=RATE, median_gap_s=0.02)
@@ -172,6 +173,23 @@ def test_router_records_name_each_requests_engines_and_computed_tokens() -> None
         ("prefill-1", "decode-2", 40, 860)
     assert first.wait_s == 0.12 and first.start_s == 10.0 and first.max_gap_s == 0.02
     assert (second.prefill_engine, second.computed_tokens) == ("", 150)  # its usage: 900 prompt, 750 cached
+
+
+def test_a_hand_off_waits_up_to_three_steps_of_its_decode_engine_and_no_more() -> None:
+    """A P/D turn's first token on a decode engine busy with 512-token chunks of another turn's long prompt: vLLM
+    takes the hand-off between steps, pulls its KV during the next and computes its first token in the one after."""
+    chunks = turn("tail", start=0.0, ttft=3.0, computed=3000, prefill="d0", decode="d0")  # DECODE_LOCAL
+    handed = turn("handed", start=0.1, ttft=1.9, computed=200, prefill="p0", decode="d0")
+    # 0.2 s of its own prefill + 3 steps of 0.512 s + a decode step + the overhead: explained.
+    report = find_stalls([chunks, handed], prefill_tokens_per_s=RATE, median_gap_s=0.02, step_tokens={"d0": 512},
+                         context_cost_tokens=float("inf"))
+    assert report.count == 0
+    # A 5 s wait on the same engine is not three steps.
+    stalled = dataclasses.replace(handed, ttft_s=5.0)
+    report = find_stalls([chunks, stalled], prefill_tokens_per_s=RATE, median_gap_s=0.02, step_tokens={"d0": 512},
+                         context_cost_tokens=float("inf"))
+    assert [s.turn for s in report.stalls] == ["handed"]
+    assert abs(report.stalls[0].explained_s - (0.2 + 3 * 0.512 + 0.02 + TURN_OVERHEAD_S)) < 1e-9
 
 
 def test_engines_bound_to_the_same_cores_share_one_queue() -> None:

@@ -15,8 +15,9 @@ turn is computed from token counts and one measured rate:
   that share steps each count the shared time, so ``R`` is a lower bound of the rate: the check is lenient.
   A turn's prompt is being computed from when it is sent to its first token (an upper bound, lenient again).
 - **Explained TTFT** = (the turn's computed tokens + the computed tokens of the turns queued ahead of it on its
-  prefill engine + the tokens it pulled) / ``R`` + one step of its decode engine (P/D: the most prompt tokens
-  that engine was computing at once meanwhile, capped at its step budget, / ``R``) + the router's deliberate waits
+  prefill engine + the tokens it pulled) / ``R`` + the hand-off (P/D: ``HAND_OFF_STEPS`` steps of its decode
+  engine, each the most prompt tokens that engine was computing at once meanwhile, capped at its step budget,
+  / ``R``, plus one decode step) + the router's deliberate waits
   (``publication_wait``) + ``TURN_OVERHEAD_S`` (HTTP hops, placement, the P/D hand-off). Queued ahead:
   sent before the turn and without a first token when it was sent, counted whole (an upper bound of what was
   left), and those sent while it waited up to one step's budget (continuous batching fills the turn's own step
@@ -58,6 +59,13 @@ DEFAULT_STEP_TOKENS = 2048
 """An engine's step budget where the bench does not know it: vLLM's ``max_num_batched_tokens`` for its OpenAI server
 on most hardware (``vllm/engine/arg_utils.py``)."""
 FALLBACK_FACTOR = 10.0
+HAND_OFF_STEPS = 3
+"""Decode-engine steps a P/D hand-off waits at most before its first token: vLLM's decode engine takes a request
+whose KV it must pull between steps (the one in progress when it arrives), reads the KV while its next step runs
+and sees the read done only at that step's end, and computes the first token in the step after. Found on a
+``private``-shape load run at 16 sessions (issue 49): hand-offs that reached the decode engine while its steps
+computed 512-token DECODE_LOCAL chunks waited 1.4-1.8 s for their first token, three such steps, where one step
+had been allowed."""
 """Without the inputs of the model: a gap is explained by this many median gaps, a TTFT by this many median TTFTs."""
 
 
@@ -233,12 +241,13 @@ class _Model:
                                                      if self._same(u.prefill_engine, engine)), default=1.0)
         return (min(tokens, cap) if cap > 0 else tokens) / self.rate
 
-    def ttft(self, t: TurnTiming, overhead_s: float) -> float:
+    def ttft(self, t: TurnTiming, overhead_s: float, decode_step_s: float) -> float:
         assert t.start_s is not None and t.ttft_s is not None
         own = (self.cost(t) + self.ahead(t) + t.pulled_tokens) / self.rate
         hand_off = 0.0
         if t.decode_engine and t.decode_engine != t.prefill_engine:
-            hand_off = self.step_s(t.decode_engine, t.start_s, t.start_s + t.ttft_s, t)
+            step = self.step_s(t.decode_engine, t.start_s, t.start_s + t.ttft_s, t)
+            hand_off = HAND_OFF_STEPS * step + decode_step_s
         return own + hand_off + t.wait_s + overhead_s
 
     def gap(self, t: TurnTiming, decode_step_s: float) -> float:
@@ -283,7 +292,7 @@ def find_stalls(turns: Sequence[TurnTiming], *, prefill_tokens_per_s: float | No
     for t in turns:
         if t.ttft_s is not None:
             if model is not None and t.start_s is not None:
-                explained, rule = model.ttft(t, overhead_s), "model"
+                explained, rule = model.ttft(t, overhead_s, decode_step_s), "model"
             else:
                 alone = ((t.compute_tokens + t.pulled_tokens) / rate + t.wait_s + overhead_s) if rate else 0.0
                 explained, rule = max(alone, factor * median_ttft_s), "fallback"
