@@ -31,7 +31,7 @@ from kvloop.shared.errors import ConfigError
 from kvloop.shared.vocabulary import Role
 
 RECORD = {"metadata": {"conversation_id": "session_000001", "turn_index": 2, "request_start_ns": 1_000_000_000,
-                       "request_end_ns": 1_500_000_000},
+                       "request_end_ns": 1_500_000_000, "x_correlation_id": "87d90c9a"},
           "metrics": {"time_to_first_token": {"value": 120.5, "unit": "ms"},
                       "inter_token_latency": {"value": 8.0, "unit": "ms"},
                       "request_latency": {"value": 500.0, "unit": "ms"},
@@ -49,6 +49,7 @@ def test_a_record_is_read_with_its_session_turn_and_figures() -> None:
     (r,) = aiperf.read_records([json.dumps(RECORD), ""])
     assert (r.session, r.turn, r.ttft_ms, r.itl_ms, r.e2e_ms) == ("session_000001", 2, 120.5, 8.0, 500.0)
     assert (r.output_tokens, r.prompt_tokens, r.cached_tokens, r.gaps_ms, r.error) == (16, 900, 768, [7.0, 9.0], "")
+    assert r.correlation_id == "87d90c9a"
     failed = aiperf.parse_record(json.dumps({**RECORD, "metrics": {}, "error": {"code": 500, "message": "x"}}))
     assert failed.ttft_ms is None and '"code": 500' in failed.error
     with pytest.raises(ValueError, match="metadata"):

@@ -175,6 +175,20 @@ def test_router_records_name_each_requests_engines_and_computed_tokens() -> None
     assert (second.prefill_engine, second.computed_tokens) == ("", 150)  # its usage: 900 prompt, 750 cached
 
 
+def test_requests_sent_together_with_one_prompt_length_get_their_own_sessions_records() -> None:
+    """Sixteen first turns of one length sent at once: by time alone the first sent took the first record, whoever
+    the router served first; the session AIPerf sent names the record."""
+    sent = [Request(f"session_{i}", 0, int((10.0 + 0.001 * i) * 1e9), int(14e9), ttft, 20.0, 0.0, 50, 900, 0, [20.0],
+                    correlation_id=f"uuid-{i}") for i, ttft in enumerate((3500.0, 500.0))]
+    records = [{"t": 10.0005, "session": "uuid-1", "prompt_tokens": 900, "prefill_engine": "decode-2",
+                "decode_engine": "decode-2", "computed_tokens": 900},
+               {"t": 10.0015, "session": "uuid-0", "prompt_tokens": 900, "prefill_engine": "prefill-1",
+                "decode_engine": "decode-2", "computed_tokens": 600}]
+    slow, fast = request_turns(sent, records)
+    assert (slow.prefill_engine, slow.computed_tokens) == ("prefill-1", 600)
+    assert (fast.prefill_engine, fast.computed_tokens) == ("decode-2", 900)
+
+
 def test_a_hand_off_waits_up_to_three_steps_of_its_decode_engine_and_no_more() -> None:
     """A P/D turn's first token on a decode engine busy with 512-token chunks of another turn's long prompt: vLLM
     takes the hand-off between steps, pulls its KV during the next and computes its first token in the one after."""

@@ -136,6 +136,8 @@ class Request:
     gaps_ms: list[float] = field(default_factory=list)
     """Every gap between streamed chunks after the first."""
     error: str = ""
+    correlation_id: str = ""
+    """The session id AIPerf sent (``X-Session-ID``): the router's records name the turn's session by it."""
 
 
 def _value(metrics: dict[str, object], name: str) -> object:
@@ -165,7 +167,7 @@ def parse_record(line: str) -> Request:
         prompt_tokens=int(_number(metrics, "usage_prompt_tokens") or 0),
         cached_tokens=int(_number(metrics, "usage_prompt_cache_read_tokens") or 0),
         gaps_ms=[float(g) for g in gaps] if isinstance(gaps, list) else [],
-        error=json.dumps(error)[:300] if error else "")
+        error=json.dumps(error)[:300] if error else "", correlation_id=str(meta.get("x_correlation_id") or ""))
 
 
 def read_records(lines: Iterable[str]) -> list[Request]:

@@ -21,7 +21,9 @@ from kvloop.app.benchmarks.stats import percentiles_ms
 
 MATCH_SLACK_S = 0.5
 """A router record is a request's when it arrived between this long before the request was sent and this long
-after its first token, with the same prompt length (the nearest to the send time wins, each record once)."""
+after its first token, with the same prompt length and, where both name it, the same session (the nearest to the
+send time wins, each record once). Without the session, the first turns of sessions sent together (one prompt
+length) were matched in send order, not as served: a turn's queue and engine were another's."""
 
 
 def meets(r: Request, slo: Slo) -> bool:
@@ -155,6 +157,8 @@ def _match(r: Request, records: Sequence[Mapping[str, Any]], used: set[int]) -> 
         if i in used or rec.get("error") or not isinstance(t, (int, float)):
             continue
         if r.prompt_tokens and rec.get("prompt_tokens") != r.prompt_tokens:
+            continue
+        if r.correlation_id and rec.get("session") and rec.get("session") != r.correlation_id:
             continue
         if start - MATCH_SLACK_S <= t <= first + MATCH_SLACK_S and (best is None or abs(t - start) < best_d):
             best, best_d = i, abs(t - start)
