@@ -147,6 +147,7 @@ def plan_to_pb(plan: Plan) -> pb.Plan:
         decode_sticky=plan.decode_sticky, session_id=plan.session_id, candidates=plan.candidates,
         local_tokens=plan.local_tokens, pull_tokens=plan.pull_tokens, decode_local_veto=plan.decode_local_veto,
         cached_tokens_seen=plan.cached_tokens_seen, source_tier=TIER_TO_PB[plan.source_tier],
+        session_drops_generated=plan.session_drops_generated,
     )
 
 
@@ -187,4 +188,5 @@ def session_to_pb(session_id: str, session: Session | None, leases: Sequence[Lea
     if session is not None:
         state.resume_at_unix, state.hold_until_unix = session.resume_at, session.hold_until
         state.ended_at_unix = session.ended_at
+        state.drops_generated = session.drops_generated
     return state

@@ -317,9 +317,8 @@ class BrokerService(broker_pb2_grpc.KVBrokerServicer):
                 metrics.session_hints.labels(hint=name, outcome="refused").inc()
             raise
         for name, field in asked.items():
-            # keep_generated is refused outright (sessions.KEEP_GENERATED_REFUSED); a pause or priority is capped.
-            outcome = ("granted" if field not in grant.not_granted else
-                       "refused" if field == "keep_generated" else "capped")
+            # Only a pause or a priority is ever granted less than asked.
+            outcome = "granted" if field not in grant.not_granted else "capped"
             metrics.session_hints.labels(hint=name, outcome=outcome).inc()
         leases = self.runtime.read(lambda s, now: s.session_leases(request.session_id))
         reply = convert.session_to_pb(request.session_id, grant.session, leases)

@@ -54,6 +54,17 @@ class Turn:
     the server's); None for a turn made without a request (tests)."""
 
     @property
+    def keeps_generated(self) -> bool:
+        """False when the client said the next turn will not repeat this answer (``keep_generated: false``, on this
+        turn or earlier in the session, as the broker's plan remembers it): the decode engine then retains the
+        prompt's blocks only. The turn's own hint wins."""
+        said = getattr(getattr(self.session, "hints", None), "keep_generated", None)
+        if said is not None:
+            return bool(said)
+        plan = self.plan.broker_plan
+        return not (plan is not None and plan.session_drops_generated)
+
+    @property
     def engine_body(self) -> dict[str, Any]:
         """What the engines are sent: the client's request, or its token-ids form."""
         return self.body if self.as_tokens is None else self.as_tokens

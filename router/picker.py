@@ -180,7 +180,8 @@ class PickerStream:
             runner.finish(turn, output_tokens=0, ttft_s=time.perf_counter() - turn.started, error=error.message)
             self.turn = None
             raise error
-        request, turn.outcome.client_usage = decode_request(turn.plan, turn.engine_body, turn.outcome.decode_params)
+        request, turn.outcome.client_usage = decode_request(turn.plan, turn.engine_body, turn.outcome.decode_params,
+                                                                    keep_generated=turn.keeps_generated)
         turn.outcome.decode, turn.outcome.decode_started_ns = engines[0], time.time_ns()
         return endpoint_of(engines[0].http), request
 

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from kvloop.router.directory import Directory, EngineInfo
 from kvloop.router.errors import TurnError
-from kvloop.shared.protocol import decode_local_params
+from kvloop.shared.protocol import KEEP_GENERATED_KEY, decode_local_params
 from kvloop.shared.vocabulary import (
     Fallback,
     NoVeto,
@@ -175,9 +175,10 @@ def prefill_request(body: dict[str, Any], params: dict[str, Any]) -> dict[str, A
     return request
 
 
-def decode_request(plan: TurnPlan, body: dict[str, Any], params: dict[str, Any], *, retry: bool = False
-                   ) -> tuple[dict[str, Any], bool]:
-    """The decode request and whether the client asked for usage itself.
+def decode_request(plan: TurnPlan, body: dict[str, Any], params: dict[str, Any], *, retry: bool = False,
+                   keep_generated: bool = True) -> tuple[dict[str, Any], bool]:
+    """The decode request and whether the client asked for usage itself. ``keep_generated`` false (the client's
+    session hint) tells the decode engine to retain the prompt's blocks only.
 
     A DECODE_LOCAL stream asks for usage (the decode engine's usage says what it found in its cache; the router
     drops the chunk again when the client did not ask). A retry on a second decode engine computes the prompt
@@ -185,6 +186,8 @@ def decode_request(plan: TurnPlan, body: dict[str, Any], params: dict[str, Any],
     decode has read them, and may have reused them, so a second read would return another request's KV."""
     request = copy.deepcopy(body)
     request["kv_transfer_params"] = decode_local_params(plan.session) if retry else params
+    if not keep_generated:
+        request["kv_transfer_params"] = {**request["kv_transfer_params"], KEEP_GENERATED_KEY: False}
     client_usage = True
     if plan.decode_local and request.get("stream"):
         options = dict(request.get("stream_options") or {})

@@ -51,7 +51,7 @@ def session_json(call: SessionCall, state: pb.SessionState) -> dict[str, Any]:
     return {"id": call.session_id, "object": "session", "priority": PRIORITY_NAMES.get(state.priority, "normal"),
             "resume_at": state.resume_at_unix or None, "held_until": state.hold_until_unix or None,
             "ended_at": state.ended_at_unix or None, "leases": state.leases, "blocks": state.blocks,
-            "host_blocks": state.host_blocks}
+            "host_blocks": state.host_blocks, "keep_generated": not state.drops_generated}
 
 
 class SessionDesk:

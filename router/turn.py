@@ -257,7 +257,8 @@ class TurnRunner:
         for attempt in attempts:
             engine = attempt.engine
             request, turn.outcome.client_usage = decode_request(turn.plan, turn.engine_body, turn.outcome.decode_params,
-                                                                retry=attempt.number > 0)
+                                                                retry=attempt.number > 0,
+                                                                keep_generated=turn.keeps_generated)
             if attempt.number and ledger.started:
                 ledger.resume()
             # A DECODE_LOCAL tail is the decode engine's to compute until its first bytes arrive.
@@ -319,7 +320,8 @@ class TurnRunner:
         turn.outcome.decode_started_ns = time.time_ns()
 
         async def call(engine: EngineInfo, attempt: int) -> dict[str, Any]:
-            request, _ = decode_request(turn.plan, turn.engine_body, turn.outcome.decode_params, retry=attempt > 0)
+            request, _ = decode_request(turn.plan, turn.engine_body, turn.outcome.decode_params, retry=attempt > 0,
+                                        keep_generated=turn.keeps_generated)
             with self.books.track(engine.engine_id):
                 return await self.engines.post(engine, turn.endpoint, request, turn.span)
 

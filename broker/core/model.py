@@ -205,3 +205,5 @@ class Plan:
     ``broker.core.vetoes`` that refused it, or ``costlier``); "" when taken or not possible."""
     cached_tokens_seen: int = 0
     """The longest usable prefix any live engine held: the reuse available to this turn."""
+    session_drops_generated: bool = False
+    """The session said its answers will not be repeated (``keep_generated: false``): retain the prompt only."""

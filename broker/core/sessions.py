@@ -12,8 +12,10 @@ A hint is a request, not a command. The book grants what its bounds allow and sa
   the decode engine publishes after the end (the last turn's own) is freed as it arrives;
 - ``priority`` orders eviction: low before normal before high. High is a share, not a right: an owner holds at most
   ``Limits.max_high_sessions_per_owner`` high sessions, and a hint past that is granted normal;
-- ``keep_generated: false`` is refused with a reason: vLLM frees a request's blocks together, so a decode engine
-  cannot retain a turn's prompt without its answer.
+- ``keep_generated: false`` (the session's answers will not be repeated: a reasoning model whose next turn drops
+  its thinking) is remembered with the session; every plan for it then says so, and the decode engine retains each
+  turn's prompt blocks and frees the answer's at once. ``true`` undoes it. It asks nothing of the budgets, so it is
+  always granted.
 
 A session belongs to its owner (the router's tenant: the API key that opened it). Another owner's hint or read is
 refused, and an owner holds at most ``Limits.max_sessions_per_owner`` sessions, the broker ``Limits.max_sessions``.
@@ -45,10 +47,6 @@ class Priority(enum.IntEnum):
     HIGH = 2
 
 
-KEEP_GENERATED_REFUSED = ("keep_generated: not honoured: vLLM frees a request's blocks together, so a decode engine "
-                          "retains a turn's answer with its prompt or neither")
-
-
 @dataclass(frozen=True, slots=True)
 class SessionHint:
     """What a caller says of a session; None: says nothing of it."""
@@ -71,6 +69,8 @@ class Session:
     hold_until: float = 0.0
     """Until when the pause keeps the session's leases: ``resume_at`` plus the margin (0: no pause)."""
     ended_at: float = 0.0
+    drops_generated: bool = False
+    """The caller said the session's answers will not be repeated (``keep_generated: false``)."""
 
     def waiting(self, now: float) -> bool:
         return not self.ended_at and now < self.hold_until
@@ -118,6 +118,11 @@ class SessionBook:
             raise PermissionDenied(f"session_id: session {session_id!r} belongs to another caller", field="session_id")
         return session
 
+    def drops_generated(self, session_id: str) -> bool:
+        """Whether the session said its answers will not be repeated (placement copies it into the plan)."""
+        session = self.sessions.get(session_id)
+        return session is not None and session.drops_generated
+
     def hint(self, owner: str, session_id: str, hint: SessionHint, now: float) -> SessionGrant:
         """Apply ``hint`` to the owner's session (opening it, or reopening an ended one); the caller acts on the
         session's leases."""
@@ -127,7 +132,8 @@ class SessionBook:
             self._check_room(owner, session_id)
             old = Session(session_id=session_id, owner=owner, opened_at=now, touched_at=now)
         elif old.ended_at and not hint.end:
-            old = Session(session_id=session_id, owner=owner, opened_at=now, touched_at=now, priority=old.priority)
+            old = Session(session_id=session_id, owner=owner, opened_at=now, touched_at=now, priority=old.priority,
+                          drops_generated=old.drops_generated)
         refused: list[str] = []
         session = replace(old, touched_at=now)
         pause = 0.0
@@ -147,8 +153,8 @@ class SessionBook:
                 refused.append(f"priority: granted normal (this caller holds {self._high[owner]} high sessions, "
                                f"the most the broker grants one caller)")
             session = replace(session, priority=priority)
-        if hint.keep_generated is False:
-            refused.append(KEEP_GENERATED_REFUSED)
+        if hint.keep_generated is not None:
+            session = replace(session, drops_generated=not hint.keep_generated)
         self._put(old if old.session_id in self.sessions else None, session)
         return SessionGrant(session=session, pause_granted_s=pause, refused=tuple(refused))
 

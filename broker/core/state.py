@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 
 from kvloop.broker.core.changes import Changes, Journal
 from kvloop.broker.core.engines import Engines
@@ -225,7 +226,10 @@ class BrokerState:
     # ----------------------------------------------------------------- placement
     def place(self, request: PlaceInput, now: float) -> Plan:
         check_place(request, self.limits)
-        return self._view.place(request, now)
+        plan = self._view.place(request, now)
+        if request.session_id and self.sessions.drops_generated(request.session_id):
+            plan = replace(plan, session_drops_generated=True)
+        return plan
 
     def lease_matches(self, request: PlaceInput) -> tuple[list[Match], str]:
         """The leases sharing the longest usable prefix with the request, and the session's engine ("" if none)."""

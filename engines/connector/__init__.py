@@ -10,7 +10,8 @@ decode-to-prefill (``bidirectional_kv_xfer``) mode with kvloop's halves. Reading
 - :mod:`.worker`: reads of retained blocks never free them; NIXL's progress thread sleeps;
 - :mod:`.books`: the arithmetic of both, pure and unit-tested on fakes;
 - :mod:`.link`: the thread towards the engine's sidecar (no vLLM);
-- :mod:`.patches`: process-wide patches of vLLM 0.32 (queue spin, idle stepping, NIXL progress delay).
+- :mod:`.patches`: process-wide patches of vLLM 0.32 (queue spin, idle stepping, freeing an answer that will not be
+  repeated, NIXL progress delay).
 
 The wire keys kvloop adds to ``kv_transfer_params`` and reads from the extra config are in
 :mod:`kvloop.shared.protocol`. Importing this package starts nothing: the API server imports it for metrics.
@@ -55,3 +56,6 @@ class NixlConnector(NixlPullConnector):
 
     def kvloop_quiet_requests(self) -> int:
         return self.connector_scheduler.kvloop_quiet_requests() if self.connector_scheduler is not None else 0
+
+    def kvloop_kept_blocks(self, request_id: str) -> int | None:
+        return self.connector_scheduler.kvloop_kept_blocks(request_id) if self.connector_scheduler is not None else None

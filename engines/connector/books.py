@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvloop.shared.protocol import PrefillReport, prefill_report, retainable_blocks
 
@@ -19,10 +20,13 @@ class RetainedRequest:
 
 
 def retain(token_ids: Sequence[int], block_ids: Sequence[int], num_computed_tokens: int, block_size: int,
-           session_id: str) -> RetainedRequest | None:
+           session_id: str, prompt_only_tokens: int | None = None) -> RetainedRequest | None:
     """What a finished request can retain: its full blocks (the last sampled token has no KV) with their
-    tokens; None when not one block is full."""
-    full = retainable_blocks(num_computed_tokens, block_size)
+    tokens; None when not one block is full. With ``prompt_only_tokens`` (the prompt's length, given when the
+    client said the next turn will not repeat this answer) only the prompt's full blocks: a block the answer
+    shares with the prompt's end is the answer's, since the next turn's tokens part from this one's there."""
+    computed = num_computed_tokens if prompt_only_tokens is None else min(num_computed_tokens, prompt_only_tokens)
+    full = retainable_blocks(computed, block_size)
     if full == 0:
         return None
     return RetainedRequest(token_ids=list(token_ids[: full * block_size]), block_ids=list(block_ids[:full]),
@@ -63,6 +67,16 @@ class PrefillBooks:
     def compute_s(self, now: float) -> float:
         """Time on the engine that was not the pull: queueing and the tail's compute."""
         return max(0.0, now - self.started - self.pull_s)
+
+
+def tail_to_free(blocks: list[Any], keep: int) -> list[Any]:
+    """Cut a finished request's block list after its first ``keep`` blocks, in place, and return the cut tail in
+    allocation order (vLLM frees in reverse, so the last-written block is evicted first)."""
+    if keep < 0:
+        raise ValueError(f"keep: {keep} is negative")
+    tail = blocks[keep:]
+    del blocks[keep:]
+    return tail
 
 
 def split_lease_reads(notifs: Mapping[str, list[bytes]], prefix: bytes) -> tuple[dict[str, list[bytes]], int]:

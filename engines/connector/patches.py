@@ -3,6 +3,7 @@
 - :func:`cap_ipc_spin`: vLLM's shared-memory queues busy-wait 1 s after every message, and trust a wake-up
   notification that can be lost for 5 s;
 - :func:`install_idle_fix`: an engine that merely holds retained blocks must not step without pause;
+- :func:`install_tail_free`: a retained request whose answer the client will not repeat frees the answer's blocks;
 - :func:`nixl_progress_delay`: NIXL's progress thread busy-polls unless given a delay.
 
 Why each costs what it costs on a shared machine is in its docstring and in ``docs/architecture.md``.
@@ -103,6 +104,56 @@ def _has_finished_requests(self: Scheduler) -> bool:
 def install_idle_fix() -> None:
     if Scheduler.has_finished_requests is not _has_finished_requests:
         Scheduler.has_finished_requests = _has_finished_requests
+
+
+_ORIGINAL_CONNECTOR_FINISHED = Scheduler._connector_finished
+
+
+def _connector_finished(self: Scheduler, request: Any) -> tuple[bool, dict[str, Any] | None]:
+    """``Scheduler._connector_finished``, then the answer's blocks of a request the connector retains for its
+    prompt only are given back to the pool at once.
+
+    vLLM frees a finished request's blocks together, when its connector says so; a decode engine that retains a
+    turn whose answer the next turn drops (a reasoning model's stripped thinking, said by the client's
+    ``keep_generated: false``) would otherwise hold the answer's blocks as long as the prompt's. The tail is cut
+    from the request's block list, so the later free returns only the kept blocks. When an in-flight step may
+    still write the request's blocks (async scheduling), the tail waits for that step as vLLM's own frees do
+    (``Scheduler.deferred_frees``)."""
+    delay_free, params = _ORIGINAL_CONNECTOR_FINISHED(self, request)
+    if delay_free:
+        free_answer_blocks(self, request)
+    return delay_free, params
+
+
+def free_answer_blocks(scheduler: Any, request: Any) -> int:
+    """Give back the blocks past those the connector keeps of a finished, held request; how many were freed."""
+    kept_blocks = getattr(scheduler.connector, "kvloop_kept_blocks", None)
+    keep = kept_blocks(request.request_id) if kept_blocks is not None else None
+    if keep is None:
+        return 0
+    now = scheduler._request_blocks_can_be_freed(request)
+    from kvloop.engines.connector.books import tail_to_free
+
+    freed = 0
+    for manager in scheduler.kv_cache_manager.coordinator.single_type_managers:
+        blocks = manager.req_to_blocks.get(request.request_id)
+        if not blocks:
+            continue
+        tail = tail_to_free(blocks, keep)
+        cached = manager.num_cached_block.get(request.request_id)
+        if cached is not None:
+            manager.num_cached_block[request.request_id] = min(cached, keep)
+        if now:
+            scheduler.kv_cache_manager.block_pool.free_blocks(reversed(tail))
+        elif tail:  # a step in flight may still write them (async scheduling): freed when it is done, as vLLM does
+            scheduler.deferred_frees.append((scheduler.sched_step_seq, tail))
+        freed += len(tail)
+    return freed
+
+
+def install_tail_free() -> None:
+    if Scheduler._connector_finished is not _connector_finished:
+        Scheduler._connector_finished = _connector_finished
 
 
 @contextlib.contextmanager

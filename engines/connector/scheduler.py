@@ -34,9 +34,11 @@ from kvloop.engines.connector.books import (
     retain,
     split_tier,
 )
-from kvloop.engines.connector.patches import install_idle_fix
+from kvloop.engines.connector.patches import install_idle_fix, install_tail_free
 from kvloop.shared.protocol import (
     DECODE_LOCAL_KEY,
+    DROPPED_KEY,
+    KEEP_GENERATED_KEY,
     REPORT_KEY,
     RETAINED_KEY,
     SESSION_KEY,
@@ -84,6 +86,8 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
         self.hold_s = settings.kvloop_hold_s
         self.retain = bool(self.is_bidirectional_kv_xfer_enabled) and settings.kvloop_retain
         self._retained: dict[str, RetainedRequest] = {}
+        self._keep_only: dict[str, int] = {}
+        """Retained requests that keep only their prompt's blocks: how many, until the scheduler frees the rest."""
         self._prefills: dict[str, PrefillBooks] = {}
         self._single_group = len(kv_cache_config.kv_cache_groups) == 1
         tensors = getattr(kv_cache_config, "kv_cache_tensors", None) or []
@@ -107,6 +111,7 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
             self._start_link(socket_path, kv_cache_config)
         if self.retain:
             install_idle_fix()
+            install_tail_free()
 
     def _start_link(self, socket_path: str, kv_cache_config: KVCacheConfig) -> None:
         from kvloop.engines.connector.link import EngineLinkClient
@@ -224,8 +229,11 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
         retainable = (request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
                       and self._single_group and self._link is not None
                       and max(block_ids[0], default=0) < self.pool_blocks)
+        # The client said the next turn will not repeat this answer (a reasoning model's stripped thinking): keep
+        # the prompt's blocks only, and have the scheduler free the answer's now (patches.install_tail_free).
+        prompt_only = int(request.num_prompt_tokens) if params.get(KEEP_GENERATED_KEY) is False else None
         retained = retain(request.all_token_ids, list(block_ids[0]), request.num_computed_tokens, self.block_size,
-                          str(params.get(SESSION_KEY) or "")) if retainable else None
+                          str(params.get(SESSION_KEY) or ""), prompt_only) if retainable else None
         if retained is None or self._link is None:
             # Nothing kvloop can publish (no sidecar, hybrid layout, or under one block): free at the next step.
             self._reqs_need_send[rid] = time.perf_counter()
@@ -235,9 +243,18 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
         self._link.track(rid, time.monotonic() + self.hold_s)
         if not self._link.send(self._retained_event(rid, retained)):
             logger.warning("kvloop: engine link queue full; %s retained but not published", rid)
+        if prompt_only is not None:
+            self._keep_only[rid] = len(retained.block_ids)
         if out is not None:
             out[RETAINED_KEY] = len(retained.block_ids)
+            if prompt_only is not None:
+                out[DROPPED_KEY] = len(block_ids[0]) - len(retained.block_ids)
         return delay_free, out
+
+    def kvloop_kept_blocks(self, request_id: str) -> int | None:
+        """How many of a just-finished request's blocks to keep, the rest to be freed now; None: keep them all.
+        Asked once, by the scheduler right after ``request_finished`` (patches.install_tail_free)."""
+        return self._keep_only.pop(request_id, None)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
         if self._link is not None:

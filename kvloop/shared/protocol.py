@@ -6,10 +6,13 @@ vLLM's NIXL connector carries its own keys (``do_remote_decode``, ``remote_block
   ``remote_request_id`` of :data:`LEASE_READ_PREFIX` + lease id, so the decode engine counts the read and
   does not free its retained blocks;
 - on the prefill's reply: :data:`REPORT_KEY`, the :class:`PrefillReport` (tokens found local, pulled, computed);
-- on the decode request: :data:`SESSION_KEY`, the session hint its retained lease is published under;
+- on the decode request: :data:`SESSION_KEY`, the session hint its retained lease is published under, and
+  :data:`KEEP_GENERATED_KEY` (false) when the client said the next turn will not repeat this answer: the decode
+  engine then retains the prompt's blocks only and frees the answer's at once;
 - on a DECODE_LOCAL request (:func:`decode_local_params`): :data:`DECODE_LOCAL_KEY`, so the decode engine,
   which computes the prompt's tail from its own prefix cache, retains and publishes the turn like any other;
-- on the decode's reply: :data:`RETAINED_KEY`, the full blocks it retained.
+- on the decode's reply: :data:`RETAINED_KEY`, the full blocks it retained, and :data:`DROPPED_KEY`, the blocks
+  it freed at once because the client said they would not be reused.
 
 The connector reads its settings from ``kv_connector_extra_config`` as a :class:`ConnectorSettings`. The
 router, the connector, the launcher, the sidecar and the benchmarks' P/D driver all use this module.
@@ -25,6 +28,8 @@ REPORT_KEY = "kvloop"
 SESSION_KEY = "kvloop_session_id"
 RETAINED_KEY = "kvloop_retained_blocks"
 DECODE_LOCAL_KEY = "kvloop_decode_local"
+KEEP_GENERATED_KEY = "kvloop_keep_generated"
+DROPPED_KEY = "kvloop_dropped_blocks"
 LEASE_READ_PREFIX = "kvloop-lease-"
 """``remote_request_id`` of a read of retained blocks: this prefix and the broker's lease id."""
 

@@ -429,7 +429,7 @@ class CostEstimate(_message.Message):
     def __init__(self, transfer_s: _Optional[float] = ..., recompute_s: _Optional[float] = ..., bandwidth_bytes_per_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., bytes_per_block: _Optional[int] = ..., measured: _Optional[bool] = ..., decode_local_s: _Optional[float] = ..., prefill_local_s: _Optional[float] = ..., transfer_path_s: _Optional[float] = ..., recompute_path_s: _Optional[float] = ..., prefill_queue_s: _Optional[float] = ..., decode_stall_s: _Optional[float] = ..., pd_residual_s: _Optional[float] = ..., decode_local_residual_s: _Optional[float] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("decision", "reason", "source_engine_id", "source_addresses", "source_lease_id", "source_block_ids", "matched_blocks", "matched_tokens", "recompute_tokens", "prompt_blocks", "threshold_tokens", "cost", "prefill_engine_id", "prefill_addresses", "decode_engine_id", "decode_addresses", "decode_sticky", "session_id", "candidates", "error", "pin", "local_tokens", "pull_tokens", "decode_local_veto", "cached_tokens_seen", "error_code", "source_tier")
+    __slots__ = ("decision", "reason", "source_engine_id", "source_addresses", "source_lease_id", "source_block_ids", "matched_blocks", "matched_tokens", "recompute_tokens", "prompt_blocks", "threshold_tokens", "cost", "prefill_engine_id", "prefill_addresses", "decode_engine_id", "decode_addresses", "decode_sticky", "session_id", "candidates", "error", "pin", "local_tokens", "pull_tokens", "decode_local_veto", "cached_tokens_seen", "error_code", "source_tier", "session_drops_generated")
     DECISION_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     SOURCE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -457,6 +457,7 @@ class Plan(_message.Message):
     CACHED_TOKENS_SEEN_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     SOURCE_TIER_FIELD_NUMBER: _ClassVar[int]
+    SESSION_DROPS_GENERATED_FIELD_NUMBER: _ClassVar[int]
     decision: Decision
     reason: str
     source_engine_id: str
@@ -484,7 +485,8 @@ class Plan(_message.Message):
     cached_tokens_seen: int
     error_code: int
     source_tier: Tier
-    def __init__(self, decision: _Optional[_Union[Decision, str]] = ..., reason: _Optional[str] = ..., source_engine_id: _Optional[str] = ..., source_addresses: _Optional[_Union[EngineAddresses, _Mapping]] = ..., source_lease_id: _Optional[str] = ..., source_block_ids: _Optional[_Iterable[int]] = ..., matched_blocks: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., recompute_tokens: _Optional[int] = ..., prompt_blocks: _Optional[int] = ..., threshold_tokens: _Optional[int] = ..., cost: _Optional[_Union[CostEstimate, _Mapping]] = ..., prefill_engine_id: _Optional[str] = ..., prefill_addresses: _Optional[_Union[EngineAddresses, _Mapping]] = ..., decode_engine_id: _Optional[str] = ..., decode_addresses: _Optional[_Union[EngineAddresses, _Mapping]] = ..., decode_sticky: _Optional[bool] = ..., session_id: _Optional[str] = ..., candidates: _Optional[int] = ..., error: _Optional[str] = ..., pin: _Optional[_Union[PinBlocksResponse, _Mapping]] = ..., local_tokens: _Optional[int] = ..., pull_tokens: _Optional[int] = ..., decode_local_veto: _Optional[str] = ..., cached_tokens_seen: _Optional[int] = ..., error_code: _Optional[int] = ..., source_tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
+    session_drops_generated: bool
+    def __init__(self, decision: _Optional[_Union[Decision, str]] = ..., reason: _Optional[str] = ..., source_engine_id: _Optional[str] = ..., source_addresses: _Optional[_Union[EngineAddresses, _Mapping]] = ..., source_lease_id: _Optional[str] = ..., source_block_ids: _Optional[_Iterable[int]] = ..., matched_blocks: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., recompute_tokens: _Optional[int] = ..., prompt_blocks: _Optional[int] = ..., threshold_tokens: _Optional[int] = ..., cost: _Optional[_Union[CostEstimate, _Mapping]] = ..., prefill_engine_id: _Optional[str] = ..., prefill_addresses: _Optional[_Union[EngineAddresses, _Mapping]] = ..., decode_engine_id: _Optional[str] = ..., decode_addresses: _Optional[_Union[EngineAddresses, _Mapping]] = ..., decode_sticky: _Optional[bool] = ..., session_id: _Optional[str] = ..., candidates: _Optional[int] = ..., error: _Optional[str] = ..., pin: _Optional[_Union[PinBlocksResponse, _Mapping]] = ..., local_tokens: _Optional[int] = ..., pull_tokens: _Optional[int] = ..., decode_local_veto: _Optional[str] = ..., cached_tokens_seen: _Optional[int] = ..., error_code: _Optional[int] = ..., source_tier: _Optional[_Union[Tier, str]] = ..., session_drops_generated: _Optional[bool] = ...) -> None: ...
 
 class PlaceBatch(_message.Message):
     __slots__ = ("requests",)
@@ -615,7 +617,7 @@ class GetSessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class SessionState(_message.Message):
-    __slots__ = ("session_id", "priority", "resume_at_unix", "hold_until_unix", "ended_at_unix", "leases", "blocks", "host_blocks", "pause_granted_s", "refused", "released_leases", "known")
+    __slots__ = ("session_id", "priority", "resume_at_unix", "hold_until_unix", "ended_at_unix", "leases", "blocks", "host_blocks", "pause_granted_s", "refused", "released_leases", "known", "drops_generated")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     RESUME_AT_UNIX_FIELD_NUMBER: _ClassVar[int]
@@ -628,6 +630,7 @@ class SessionState(_message.Message):
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     RELEASED_LEASES_FIELD_NUMBER: _ClassVar[int]
     KNOWN_FIELD_NUMBER: _ClassVar[int]
+    DROPS_GENERATED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     priority: SessionPriority
     resume_at_unix: float
@@ -640,4 +643,5 @@ class SessionState(_message.Message):
     refused: _containers.RepeatedScalarFieldContainer[str]
     released_leases: int
     known: bool
-    def __init__(self, session_id: _Optional[str] = ..., priority: _Optional[_Union[SessionPriority, str]] = ..., resume_at_unix: _Optional[float] = ..., hold_until_unix: _Optional[float] = ..., ended_at_unix: _Optional[float] = ..., leases: _Optional[int] = ..., blocks: _Optional[int] = ..., host_blocks: _Optional[int] = ..., pause_granted_s: _Optional[float] = ..., refused: _Optional[_Iterable[str]] = ..., released_leases: _Optional[int] = ..., known: _Optional[bool] = ...) -> None: ...
+    drops_generated: bool
+    def __init__(self, session_id: _Optional[str] = ..., priority: _Optional[_Union[SessionPriority, str]] = ..., resume_at_unix: _Optional[float] = ..., hold_until_unix: _Optional[float] = ..., ended_at_unix: _Optional[float] = ..., leases: _Optional[int] = ..., blocks: _Optional[int] = ..., host_blocks: _Optional[int] = ..., pause_granted_s: _Optional[float] = ..., refused: _Optional[_Iterable[str]] = ..., released_leases: _Optional[int] = ..., known: _Optional[bool] = ..., drops_generated: _Optional[bool] = ...) -> None: ...

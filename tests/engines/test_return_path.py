@@ -23,7 +23,7 @@ from kvloop.app.benchmarks.pd_driver import PDDriver, Turn, post_json
 from kvloop.app.engine_set import start_engines
 from kvloop.engines.config import EngineConfig, role_cores
 from kvloop.engines.layout import engine_fingerprint
-from kvloop.shared.protocol import decode_local_params
+from kvloop.shared.protocol import DROPPED_KEY, KEEP_GENERATED_KEY, decode_local_params
 from kvloop.v1 import broker_pb2 as pb
 from kvloop.v1 import broker_pb2_grpc
 from tests.engines.conftest import ENGINE_START_TIMEOUT_S, EXTRA_CONFIG
@@ -318,6 +318,48 @@ def test_a_decode_local_turn_is_retained_and_its_blocks_freed_with_its_lease(
     broker_stub.RenewLease(pb.RenewLeaseRequest(lease_id=lease.lease_id, ttl_s=1.0), timeout=5)
     wait_for(lambda: leases_of(broker_stub, decode.engine_id), lambda ls: not ls, timeout_s=30, what="lease expired")
     wait_for(usage, lambda u: u == 0.0, timeout_s=30, what="the decode-local turn's blocks freed")
+
+
+def test_an_answer_the_client_will_not_repeat_is_freed_and_the_prompt_kept(
+        pd_engines: PDEngines, broker_stub: broker_pb2_grpc.KVBrokerStub) -> None:
+    """``keep_generated: false`` (a reasoning model's client whose next turn drops the answer): the decode engine
+    retains the prompt's full blocks and gives the answer's back to the pool at once; the next turn, which does not
+    repeat the answer, finds the prompt in the engine's cache and answers as a recompute does."""
+    decode = pd_engines.decode
+    usage = lambda: metric(scrape(decode.url), "vllm:kv_cache_usage_perc")  # noqa: E731
+    wait_for(lambda: engines_registered(broker_stub), lambda ids: decode.engine_id in ids, timeout_s=60,
+             what="the decode engine registered")
+
+    def served_whole(prompt: list[int], session: str, keep_generated: bool, max_tokens: int = 200) -> dict[str, Any]:
+        params = {**decode_local_params(session), **({} if keep_generated else {KEEP_GENERATED_KEY: False})}
+        return post_json(f"{decode.url}/v1/completions", {
+            "model": pd_engines.model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True, "logprobs": 5, "kv_transfer_params": params})
+
+    held = {}
+    for session, seed, keep in (("s-keep", 51, True), ("s-drop", 52, False)):
+        expire_all_leases(broker_stub, decode.engine_id)
+        wait_for(usage, lambda u: u == 0.0, timeout_s=30, what="decode KV usage at zero")
+        prompt = tokens(random.Random(seed), 400)
+        reply = served_whole(prompt, session, keep)
+        # 400 prompt tokens and 200 generated: 599 with KV, 4 full blocks, 3 of them the prompt's alone.
+        lease = wait_lease(broker_stub, decode.engine_id, session, 3)
+        # vLLM returns a finished request's blocks after the step in flight (async scheduling), and an idle engine
+        # takes no step: one more request lets it, and its stats then show what the engine holds.
+        post_json(f"{decode.url}/v1/completions", {"model": pd_engines.model_name, "prompt": [7], "max_tokens": 1})
+        held[session] = (len(lease.block_ids), usage(), reply.get("kv_transfer_params") or {}, prompt)
+    assert held["s-keep"][0] == 4 and held["s-drop"][0] == 3, held
+    assert held["s-drop"][2].get(DROPPED_KEY) == 2 and DROPPED_KEY not in held["s-keep"][2], held
+    # The keeping session holds every block it wrote (5, the last one partly filled); the dropping one its
+    # prompt's 3.
+    assert math.isclose(held["s-drop"][1] * 5, held["s-keep"][1] * 3), held
+    prompt2 = held["s-drop"][3] + tokens(random.Random(53), 150)  # the next turn: no answer in it
+    turn2 = served_whole(prompt2, "s-drop", keep_generated=False, max_tokens=8)
+    assert turn2["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * BS, turn2["usage"]
+    reference = aggregated(pd_engines, prompt2, max_tokens=8, salt="drop-reference")
+    assert_same_greedy(list(turn2["choices"][0]["token_ids"]), reference["ids"], reference["top"])
+    expire_all_leases(broker_stub, decode.engine_id)
+    wait_for(usage, lambda u: u == 0.0, timeout_s=30, what="the kept prompts' blocks freed with their leases")
 
 
 @pytest.mark.stops_engines(order=0)  # before the test that stops every shared engine; leaves a new decode engine

@@ -5,6 +5,8 @@ values start with a dash."""
 from __future__ import annotations
 
 import argparse
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -19,8 +21,15 @@ from kvloop.engines.connector.books import (
     retain,
     split_lease_reads,
     split_tier,
+    tail_to_free,
 )
-from kvloop.engines.connector.patches import RECHECK_MAX_MS, RECHECK_MIN_MS, capped_wait, recheck_ms
+from kvloop.engines.connector.patches import (
+    RECHECK_MAX_MS,
+    RECHECK_MIN_MS,
+    capped_wait,
+    free_answer_blocks,
+    recheck_ms,
+)
 from kvloop.engines.sidecar.books import LeaseBooks, Throughput, engine_load
 from kvloop.shared.config import join_dashed_values
 from kvloop.shared.protocol import (
@@ -58,6 +67,71 @@ def test_a_decode_request_retains_only_its_full_blocks() -> None:
     assert kept is not None and kept.block_ids == [7, 8] and kept.token_ids == list(range(256))
     assert retain(list(range(100)), [7], num_computed_tokens=99, block_size=128, session_id="") is None
     assert bytes_per_block([1000, 3000], 4) == 1000 and bytes_per_block([], 4) == 0
+
+
+def test_a_request_whose_answer_will_not_be_repeated_retains_its_prompts_full_blocks_only() -> None:
+    # 200 prompt tokens and 99 generated: the second block holds the prompt's last 72 tokens and the answer's first.
+    kept = retain(list(range(300)), [7, 8, 9], num_computed_tokens=299, block_size=128, session_id="s",
+                  prompt_only_tokens=200)
+    assert kept is not None and kept.block_ids == [7] and kept.token_ids == list(range(128))
+    assert retain(list(range(300)), [7, 8, 9], 299, 128, "s", prompt_only_tokens=100) is None
+    # A prompt longer than what was computed (a length-capped request) keeps what was computed.
+    kept = retain(list(range(300)), [7, 8, 9], 299, 128, "s", prompt_only_tokens=1000)
+    assert kept is not None and kept.block_ids == [7, 8]
+
+
+def test_the_tail_past_the_kept_blocks_is_cut_in_place() -> None:
+    blocks = [1, 2, 3, 4]
+    assert tail_to_free(blocks, 1) == [2, 3, 4] and blocks == [1]
+    assert tail_to_free(blocks, 5) == [] and blocks == [1]
+    with pytest.raises(ValueError, match="keep"):
+        tail_to_free(blocks, -1)
+
+
+class FakeScheduler:
+    """A fake of what ``free_answer_blocks`` reads of vLLM's Scheduler: its connector, its block lists, its pool."""
+
+    def __init__(self, keep: int | None, blocks: list[int], can_free: bool = True) -> None:
+        self.keeps = {"r": keep} if keep is not None else {}
+        self.freed: list[int] = []
+        manager = SimpleNamespace(req_to_blocks={"r": blocks}, num_cached_block={"r": len(blocks)})
+        self.connector = SimpleNamespace(kvloop_kept_blocks=lambda rid: self.keeps.pop(rid, None))
+        self.kv_cache_manager = SimpleNamespace(coordinator=SimpleNamespace(single_type_managers=[manager]),
+                                                block_pool=SimpleNamespace(free_blocks=self.freed.extend))
+        self.manager, self.can_free = manager, can_free
+        self.deferred_frees: list[tuple[int, list[int]]] = []
+        self.sched_step_seq = 7
+
+    def _request_blocks_can_be_freed(self, request: Any) -> bool:
+        return self.can_free
+
+
+def test_the_scheduler_frees_the_answers_blocks_last_written_first_and_only_once() -> None:
+    request = SimpleNamespace(request_id="r")
+    fake = FakeScheduler(keep=2, blocks=[10, 11, 12, 13])
+    assert free_answer_blocks(fake, request) == 2
+    assert fake.freed == [13, 12] and fake.manager.req_to_blocks["r"] == [10, 11]
+    assert fake.manager.num_cached_block["r"] == 2
+    assert free_answer_blocks(fake, request) == 0 and fake.freed == [13, 12]  # asked once
+    whole = FakeScheduler(keep=None, blocks=[10, 11])  # a request kept whole
+    assert free_answer_blocks(whole, request) == 0 and whole.manager.req_to_blocks["r"] == [10, 11]
+    busy = FakeScheduler(keep=1, blocks=[10, 11, 12], can_free=False)  # a step in flight may still write them
+    assert free_answer_blocks(busy, request) == 2 and busy.manager.req_to_blocks["r"] == [10]
+    assert busy.freed == [] and busy.deferred_frees == [(7, [11, 12])]  # vLLM frees them when that step is done
+
+
+def test_vllms_scheduler_still_has_what_the_answer_free_uses() -> None:
+    """``free_answer_blocks`` leans on the scheduler's private block books: an upgrade that renames them must fail
+    here."""
+    import inspect
+
+    from vllm.v1.core import single_type_kv_cache_manager
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    assert {"_connector_finished", "_request_blocks_can_be_freed", "_drain_deferred_frees"} <= set(vars(Scheduler))
+    assert "self.deferred_frees.append((self.sched_step_seq, blocks))" in inspect.getsource(Scheduler)
+    source = inspect.getsource(single_type_kv_cache_manager.SingleTypeKVCacheManager.__init__)
+    assert "self.req_to_blocks" in source and "self.num_cached_block" in source
 
 
 def test_reads_of_retained_blocks_are_counted_and_dropped() -> None:

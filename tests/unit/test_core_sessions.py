@@ -135,9 +135,15 @@ def test_bounds_per_owner_and_on_high_priority() -> None:
     assert grant.session.priority is Priority.NORMAL and grant.refused[0].startswith("priority: granted normal")
 
 
-def test_keep_generated_false_is_refused_with_its_reason() -> None:
-    grant, _ = broker().hint_session("t1", "a", SessionHint(keep_generated=False), now=0.0)
-    assert grant.refused and grant.refused[0].startswith("keep_generated:")
+def test_keep_generated_false_is_granted_remembered_and_carried_by_every_plan_of_the_session() -> None:
+    state = broker()
+    grant, _ = state.hint_session("t1", "a", SessionHint(keep_generated=False), now=0.0)
+    assert not grant.refused and grant.session.drops_generated
+    assert state.sessions.drops_generated("a") and not state.sessions.drops_generated("b")
+    state.hint_session("t1", "a", SessionHint(pause_s=5.0), now=1.0)  # another hint leaves it as said
+    assert state.sessions.drops_generated("a")
+    state.hint_session("t1", "a", SessionHint(keep_generated=True), now=2.0)
+    assert not state.sessions.drops_generated("a")
 
 
 def test_idle_sessions_are_forgotten_and_their_room_returns() -> None:

@@ -25,7 +25,7 @@ from kvloop.router.plan import (
     plan_turn,
     prefill_request,
 )
-from kvloop.shared.protocol import DECODE_LOCAL_KEY, PrefillReport
+from kvloop.shared.protocol import DECODE_LOCAL_KEY, KEEP_GENERATED_KEY, PrefillReport
 from kvloop.shared.vocabulary import Fallback, Path, Reason, Role, Veto
 from kvloop.v1 import broker_pb2 as pb
 
@@ -131,6 +131,27 @@ def test_the_prefill_is_one_unstreamed_token_and_a_retried_decode_never_reuses_t
     assert client_usage is False  # asked for the router's sake: the usage chunk is dropped again
     retry, _ = decode_request(plan, CHAT, {"from": "prefill"}, retry=True)
     assert retry["kv_transfer_params"][DECODE_LOCAL_KEY] is True and "from" not in retry["kv_transfer_params"]
+
+
+def test_an_answer_the_client_will_not_repeat_is_named_to_the_decode_engine_by_the_turn_or_its_session() -> None:
+    from types import SimpleNamespace
+
+    from kvloop.router.sessions import SessionHints
+
+    placed = broker_plan(pb.DECISION_DECODE_LOCAL)
+    plan = plan_turn(directory(*FLEET), "chat", "s", "m", 16, Placement(placed))
+    turn = Turn(body=CHAT, plan=plan, span=None, started=0.0)
+    assert turn.keeps_generated  # nothing said
+    placed.session_drops_generated = True  # said earlier in the session: the broker's plan remembers it
+    assert not turn.keeps_generated
+    turn.session = SimpleNamespace(hints=SessionHints(keep_generated=True))  # the turn's own hint wins
+    assert turn.keeps_generated
+    request, _ = decode_request(plan, CHAT, {"from": "prefill"}, keep_generated=False)
+    assert request["kv_transfer_params"] == {"from": "prefill", KEEP_GENERATED_KEY: False}
+    retry, _ = decode_request(plan, CHAT, {"from": "prefill"}, retry=True, keep_generated=False)
+    assert retry["kv_transfer_params"][KEEP_GENERATED_KEY] is False and retry["kv_transfer_params"][DECODE_LOCAL_KEY]
+    kept, _ = decode_request(plan, CHAT, {"from": "prefill"})
+    assert KEEP_GENERATED_KEY not in kept["kv_transfer_params"]
 
 
 def test_a_turn_reports_the_plan_until_the_engine_measures_then_the_measurement() -> None:
