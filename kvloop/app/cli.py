@@ -1,6 +1,7 @@
 """The ``kvloop`` command: ``broker serve|status``, ``up``, ``demo``, ``analyze``, ``router``,
 ``model tiny|fingerprint``, ``engine``, ``sidecar``, ``gateway config``,
-``bench broker|broker-scale|engines|multiturn|load|gateway|chaos|profile``, ``plan simulate|compare|roofline``."""
+``bench broker|broker-scale|engines|multiturn|load|gateway|stripped|chaos|profile``,
+``plan simulate|compare|roofline``."""
 
 from __future__ import annotations
 
@@ -224,6 +225,12 @@ def _bench_gateway(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
+def _bench_stripped(args: argparse.Namespace) -> int:
+    from kvloop.app.benchmarks.stripped_bench import main as bench_main
+
+    return bench_main(args)
+
+
 def _bench_chaos(args: argparse.Namespace) -> int:
     from kvloop.app.benchmarks.chaos import main as bench_main
 
@@ -406,6 +413,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_gateway_arguments(bench_gateway)
     bench_gateway.set_defaults(func=_bench_gateway)
+    bench_stripped = bench.add_parser("stripped", help="a reasoning model's sessions, whose next turn drops the last "
+                                                       "answer, with and without keep_generated: false")
+    from kvloop.app.benchmarks.stripped_bench import add_arguments as add_stripped_arguments
+
+    add_stripped_arguments(bench_stripped)
+    bench_stripped.set_defaults(func=_bench_stripped)
     bench_chaos = bench.add_parser("chaos", help="agent sessions through the router while seeded faults hit the "
                                                  "cluster: hangs, wrong answers, books, recovery times")
     from kvloop.app.benchmarks.chaos import add_arguments as add_chaos_arguments
