@@ -12,7 +12,6 @@ The broker's plan is taken as given except where the router knows better at once
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -166,7 +165,7 @@ def candidates(first: Sequence[EngineInfo], more: Callable[[set[str]], EngineInf
 
 def prefill_request(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
     """The client's request as a prefill: one token, not streamed, with ``params`` as its transfer params."""
-    request = copy.deepcopy(body)
+    request = dict(body)  # only top-level keys change; a deep copy of 3,400 prompt ids took 0.9 ms of the loop
     for key in PREFILL_ONLY_FIELDS:
         request.pop(key, None)
     request.update(max_tokens=1, stream=False, kv_transfer_params=params)
@@ -184,7 +183,7 @@ def decode_request(plan: TurnPlan, body: dict[str, Any], params: dict[str, Any],
     drops the chunk again when the client did not ask). A retry on a second decode engine computes the prompt
     there, never with the first attempt's transfer params: the prefill engine frees the blocks they name once a
     decode has read them, and may have reused them, so a second read would return another request's KV."""
-    request = copy.deepcopy(body)
+    request = dict(body)  # only top-level keys change; a deep copy of 3,400 prompt ids took 0.9 ms of the loop
     request["kv_transfer_params"] = decode_local_params(plan.session) if retry else params
     if not keep_generated:
         request["kv_transfer_params"] = {**request["kv_transfer_params"], KEEP_GENERATED_KEY: False}

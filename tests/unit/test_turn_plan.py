@@ -131,6 +131,11 @@ def test_the_prefill_is_one_unstreamed_token_and_a_retried_decode_never_reuses_t
     assert client_usage is False  # asked for the router's sake: the usage chunk is dropped again
     retry, _ = decode_request(plan, CHAT, {"from": "prefill"}, retry=True)
     assert retry["kv_transfer_params"][DECODE_LOCAL_KEY] is True and "from" not in retry["kv_transfer_params"]
+    # The requests are shallow copies: what they change of the client's request is replaced, never changed in place.
+    asked = {**CHAT, "stream_options": {"include_usage": False}, "kv_transfer_params": {"client": 1}}
+    request, _ = decode_request(plan, asked, {"from": "prefill"})
+    assert request["stream_options"] == {"include_usage": True} and request["messages"] is asked["messages"]
+    assert asked["stream_options"] == {"include_usage": False} and asked["kv_transfer_params"] == {"client": 1}
 
 
 def test_an_answer_the_client_will_not_repeat_is_named_to_the_decode_engine_by_the_turn_or_its_session() -> None:
