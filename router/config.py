@@ -48,6 +48,9 @@ class RouterConfig(ServiceConfig):
     tokenizer: str = setting("", "the served model's directory or hub name: tokenize in the router with its own "
                                  "tokenizer and chat template (one engine round trip less per turn); empty = "
                                  "ask an engine's /tokenize")
+    tokenizer_sessions: int = setting(4096, "sessions whose last rendered prompt the router's tokenizer remembers, "
+                                            "to encode only what a session's next turn adds (router/tokenizer.py); "
+                                            "0 = encode every prompt whole")
     chat_as_tokens: bool = setting(True, "send a plain chat turn the router rendered to the engine as its token ids "
                                          "(a completions request; answered in the chat shape), so the engine does "
                                          "not render and tokenize it again; tools, logprobs, n > 1 and the like stay "
@@ -121,6 +124,7 @@ class RouterConfig(ServiceConfig):
         for name in ("max_request_bytes", "max_prompt_tokens"):
             self._require(getattr(self, name) > 0, name, "must be positive")
         self._require(self.publication_wait_s >= 0, "publication_wait_s", "must be 0 or more")
+        self._require(0 <= self.tokenizer_sessions <= 1_000_000, "tokenizer_sessions", "must be within 0..1000000")
         for name in ("request_timeout_s", "broker_timeout_s", "refresh_s", "engine_stall_s"):
             self._require(getattr(self, name) > 0, name, "must be positive")
         self._require(self.unlisted_grace_s >= 0, "unlisted_grace_s", "must be 0 or more")

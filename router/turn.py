@@ -93,7 +93,7 @@ class TurnRunner:
         placer."""
         self.placer = Placer(config, metrics, self.directory, self.books)
         self.engines = EngineCalls(config, http)
-        self.tokenizer = RouterTokenizer(config.tokenizer) if config.tokenizer else None
+        self.tokenizer = RouterTokenizer(config.tokenizer, config.tokenizer_sessions) if config.tokenizer else None
         self.before_transfer: Callable[[pb.Plan, EngineInfo], None] | None = None
         """Called as a TRANSFER's prefill request (the one that pulls) is about to go out: ``kvloop bench chaos``
         kills the puller or the source there, to fail a pull in flight. None in service."""
@@ -114,7 +114,7 @@ class TurnRunner:
             self.records.close()
         await self.placer.close()
 
-    async def tokenize(self, kind: str, body: dict[str, Any]) -> tuple[list[int], bool]:
+    async def tokenize(self, kind: str, body: dict[str, Any], session: str = "") -> tuple[list[int], bool]:
         """The prompt's token ids, and whether the router rendered them itself (else: the client's ids, or an
         engine's ``/tokenize``)."""
         if kind == "completion" and isinstance(body.get("prompt"), list) and all(
@@ -123,9 +123,9 @@ class TurnRunner:
         model = str(body.get("model", ""))
         if self.tokenizer is not None and self.tokenizer_serves(model):
             if prompt_chars(body) <= INLINE_TOKENIZE_CHARS:
-                local = self.tokenizer.tokens(kind, body, CHAT_TEMPLATE_FIELDS)
+                local = self.tokenizer.tokens(kind, body, CHAT_TEMPLATE_FIELDS, session)
             else:
-                local = await asyncio.to_thread(self.tokenizer.tokens, kind, body, CHAT_TEMPLATE_FIELDS)
+                local = await asyncio.to_thread(self.tokenizer.tokens, kind, body, CHAT_TEMPLATE_FIELDS, session)
             if local is not None:
                 return local, True
         d = self.directory
@@ -170,7 +170,7 @@ class TurnRunner:
 
         cpu = time.thread_time()
         with tracer.start_as_current_span("kvloop.tokenize"):
-            tokens, rendered_here = await self.tokenize(kind, body)
+            tokens, rendered_here = await self.tokenize(kind, body, session)
         lap("tokenize")
         # The loop thread's CPU within the step: a step much longer than its CPU waited (the GIL, the cores).
         timings["tokenize_cpu"] = round((time.thread_time() - cpu) * 1e3, 3)
