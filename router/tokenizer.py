@@ -61,14 +61,12 @@ class SessionPrefixes:
         self.max_sessions = max_sessions
         self._prefixes: OrderedDict[str, RenderedPrefix] = OrderedDict()
         self._lock = threading.Lock()  # long prompts are encoded in a thread (router/turn.py)
-        self.reused_tokens = 0
 
     def encode(self, session: str, text: str, encode: Callable[[str], list[int]]) -> list[int]:
         with self._lock:
             known = self._prefixes.get(session) if session and self.max_sessions else None
         if known is not None and len(text) >= known.chars and _digest(text[:known.chars]) == known.digest:
             ids = known.ids.tolist() + encode(text[known.chars:])
-            self.reused_tokens += len(known.ids)
         else:
             ids = encode(text)
         if session and self.max_sessions:
@@ -91,7 +89,7 @@ class SessionPrefixes:
 
 def boundary_tokens(tokenizer: Any) -> dict[int, str]:
     """The tokenizer's added tokens that split a text cleanly (see :class:`SessionPrefixes`): id to text."""
-    decoder = getattr(getattr(tokenizer, "_tokenizer", None), "get_added_tokens_decoder", None)
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "get_added_tokens_decoder", None)
     if decoder is None or getattr(tokenizer, "split_special_tokens", False):
         return {}
     return {i: t.content for i, t in decoder().items()

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from kvloop.engines.connector.books import tail_to_free
+
 if TYPE_CHECKING:
     from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 
@@ -132,8 +134,6 @@ def free_answer_blocks(scheduler: Any, request: Any) -> int:
     if keep is None:
         return 0
     now = scheduler._request_blocks_can_be_freed(request)
-    from kvloop.engines.connector.books import tail_to_free
-
     freed = 0
     for manager in scheduler.kv_cache_manager.coordinator.single_type_managers:
         blocks = manager.req_to_blocks.get(request.request_id)
