@@ -20,6 +20,7 @@ from kvloop.router.server import RunningRouter, start_router
 from kvloop.shared import headers as hdr
 from kvloop.shared import procs
 from kvloop.shared.client import wait_serving
+from kvloop.shared.protocol import KEEP_GENERATED_KEY
 from kvloop.shared.tls import insecure_or_secure_channel
 from kvloop.v1 import broker_pb2 as pb
 from kvloop.v1 import broker_pb2_grpc
@@ -168,6 +169,29 @@ async def test_the_broker_grants_a_long_pause_shorter_and_says_so(
     for bad, param in (({"pause": 3}, "pause"), ({"pause_s": math.inf}, "pause_s"), ([], "body")):
         status, reply = await call(router, "a", "POST", "/v1/sessions/agent-4", body=bad)
         assert status == 400 and reply["error"]["param"] == param, reply
+
+
+async def test_a_session_that_drops_its_answers_says_so_to_the_decode_engine_on_every_turn(
+        cluster: tuple[RunningRouter, FakeEngine, Any]) -> None:
+    """``keep_generated: false`` said once (by REST) reaches the decode request of each later turn through the
+    broker's plan; a turn's own hint wins; another tenant's session of the same name is its own."""
+    router, fake, _ = cluster
+
+    def decode_params() -> dict[str, Any]:
+        return dict(fake.requests[-1][1].get("kv_transfer_params") or {})
+
+    status, reply = await call(router, "a", "POST", "/v1/sessions/agent-7", body={"keep_generated": False})
+    assert status == 200 and reply["keep_generated"] is False, reply
+    for text in ("turn one", "turn two"):
+        status, _ = await call(router, "a", "POST", "/v1/chat/completions", body=chat(text),
+                               headers={hdr.SESSION_ID: "agent-7"})
+        assert status == 200 and decode_params().get(KEEP_GENERATED_KEY) is False, decode_params()
+    status, _ = await call(router, "a", "POST", "/v1/chat/completions", body=chat("turn three"),
+                           headers={hdr.SESSION_ID: "agent-7", hdr.SESSION_KEEP_GENERATED: "true"})
+    assert status == 200 and KEEP_GENERATED_KEY not in decode_params(), decode_params()
+    status, _ = await call(router, "b", "POST", "/v1/chat/completions", body=chat("another tenant"),
+                           headers={hdr.SESSION_ID: "agent-7"})
+    assert status == 200 and KEEP_GENERATED_KEY not in decode_params(), decode_params()
 
 
 async def test_a_flood_of_sessions_is_bounded_per_tenant(cluster: tuple[RunningRouter, FakeEngine, Any]) -> None:
