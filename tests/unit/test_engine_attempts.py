@@ -81,8 +81,8 @@ class FakeHttpSession:
         self.watch: Callable[[], Any] | None = None
         self.watched: list[Any] = []
 
-    def post(self, url: str, json: dict[str, Any], **_: Any) -> FakeCall:
-        self.sent.append((url, json))
+    def post(self, url: str, data: bytes, **_: Any) -> FakeCall:
+        self.sent.append((url, json.loads(data)))  # the router sends its bodies as JSON bytes
         if self.watch is not None:
             self.watched.append(self.watch())
         return FakeCall(self.script[url.split("/v1/")[0]].pop(0))
