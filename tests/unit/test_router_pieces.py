@@ -181,6 +181,8 @@ def test_router_config_names_the_bad_field() -> None:
         RouterConfig.load({}, env={"KVLOOP_ROUTER_BROKER": "127.0.0.1:1", "KVLOOP_ROUTER_RESIDUAL_SAMPLES": "2"})
     with pytest.raises(ConfigError, match=r"^residual_window_s"):
         RouterConfig.load({}, env={"KVLOOP_ROUTER_BROKER": "127.0.0.1:1", "KVLOOP_ROUTER_RESIDUAL_WINDOW_S": "-1"})
+    with pytest.raises(ConfigError, match=r"^tokenizer_sessions"):
+        RouterConfig.load({}, env={"KVLOOP_ROUTER_BROKER": "127.0.0.1:1", "KVLOOP_ROUTER_TOKENIZER_SESSIONS": "-1"})
 
 
 def test_recent_turns_expect_the_longest_answered_prompt_this_one_extends() -> None:
