@@ -59,6 +59,7 @@ DEFAULT_STEP_TOKENS = 2048
 """An engine's step budget where the bench does not know it: vLLM's ``max_num_batched_tokens`` for its OpenAI server
 on most hardware (``vllm/engine/arg_utils.py``)."""
 FALLBACK_FACTOR = 10.0
+"""Without the inputs of the model: a gap is explained by this many median gaps, a TTFT by this many median TTFTs."""
 HAND_OFF_STEPS = 3
 """Decode-engine steps a P/D hand-off waits at most before its first token: vLLM's decode engine takes a request
 whose KV it must pull between steps (the one in progress when it arrives), reads the KV while its next step runs
@@ -66,7 +67,6 @@ and sees the read done only at that step's end, and computes the first token in 
 ``private``-shape load run at 16 sessions (issue 49): hand-offs that reached the decode engine while its steps
 computed 512-token DECODE_LOCAL chunks waited 1.4-1.8 s for their first token, three such steps, where one step
 had been allowed."""
-"""Without the inputs of the model: a gap is explained by this many median gaps, a TTFT by this many median TTFTs."""
 
 
 @dataclass(frozen=True)
