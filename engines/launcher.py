@@ -313,6 +313,7 @@ def spawn_sidecar(plan: EnginePlan) -> procs.Proc | None:
     with log_path.open("ab") as log:
         popen = subprocess.Popen([sys.executable, "-m", "kvloop.engines.sidecar"], stdin=subprocess.DEVNULL, stdout=log,
                                  stderr=subprocess.STDOUT, env=env, cwd=str(plan.work_dir),
+                                 start_new_session=procs.OWN_SESSION,
                                  preexec_fn=_die_with_parent if sys.platform == "linux" else None)
     return procs.Proc(name=f"{plan.engine_id}-sidecar", popen=popen, log_path=log_path,
                       extra={"port_file": str(port_file)})

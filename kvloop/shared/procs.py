@@ -20,6 +20,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
+OWN_SESSION = True
+"""Children start in a session of their own (``start_new_session``), as containers each get a cgroup. Linux's
+autogroup scheduler (on by default in many kernels, this machine's 6.18 included) shares a CPU between sessions
+first, then between a session's processes, so a service left in its parent's session shares one share with whatever
+else runs there (in the load bench: AIPerf's processes). Measured on the load bench's kvloop point at 16 sessions
+(2 cores, saturated): the router's and broker's event loops waited runnable in the run queue (from
+``/proc/thread-self/schedstat``) in bursts of 70-650 ms either way; in sessions of their own the waits over 20 ms
+summed 8.9-11.7 s for the router (12.8 s before) and 5.6-7.3 s for the broker (10.5 s before), and goodput went from
+2.58/s to 4.18-4.96/s (one run before, two after). The parent stops its children itself (a session of its own gets no
+terminal signals)."""
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -71,7 +83,8 @@ def spawn(name: str, argv: Sequence[str], log_dir: Path, env: dict[str, str] | N
                 os.sched_setaffinity(0, cpus)
 
     popen = subprocess.Popen(list(argv), stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             env={**os.environ, **(env or {})}, preexec_fn=pin if cpus else None)
+                             env={**os.environ, **(env or {})}, preexec_fn=pin if cpus else None,
+                             start_new_session=OWN_SESSION)
     log_file.close()
     return Proc(name, popen, log_path)
 

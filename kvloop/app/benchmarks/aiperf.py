@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvloop.app import tool_env
+from kvloop.shared import procs
 from kvloop.shared import headers as hdr
 
 VERSION = "0.13.0"
@@ -198,8 +199,9 @@ def run(argv: Sequence[str], artifacts: Path, timeout_s: float, hf_home: Path | 
     env = {**os.environ, "AIPERF_METRICS_OSL_MISMATCH_PCT_THRESHOLD": "100"}
     if hf_home is not None:
         env.update(HF_HOME=str(hf_home), HF_HUB_OFFLINE="1")
+    # A session of its own (procs.OWN_SESSION): the load generator must not share the in-process router's share.
     done = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout_s, env=env,
-                          stdin=subprocess.DEVNULL)
+                          stdin=subprocess.DEVNULL, start_new_session=procs.OWN_SESSION)
     (artifacts / "aiperf.log").write_text(done.stdout[-200_000:] + done.stderr[-200_000:])
     records = artifacts / RECORDS
     if done.returncode != 0 or not records.exists():
