@@ -55,6 +55,7 @@ from kvloop.router.resume import StreamLedger, relayed_data
 from kvloop.router.session_calls import SessionDesk
 from kvloop.router.tokenizer import RouterTokenizer
 from kvloop.shared.client import plan_attributes, transfer_params
+from kvloop.shared.cpu_wait import ThreadLaps
 from kvloop.shared.protocol import SESSION_KEY, PrefillReport, decode_local_params, prefill_only_params
 from kvloop.shared.vocabulary import Fallback, Path, Reason, Role
 from kvloop.v1 import broker_pb2 as pb
@@ -168,12 +169,11 @@ class TurnRunner:
             timings[step] = round((now - mark) * 1e3, 3)
             mark = now
 
-        cpu = time.thread_time()
+        own = ThreadLaps()  # the loop thread's CPU and wait for a core in each step
         with tracer.start_as_current_span("kvloop.tokenize"):
             tokens, rendered_here = await self.tokenize(kind, body, session)
         lap("tokenize")
-        # The loop thread's CPU within the step: a step much longer than its CPU waited (the GIL, the cores).
-        timings["tokenize_cpu"] = round((time.thread_time() - cpu) * 1e3, 3)
+        own.lap(timings, "tokenize")
         if len(tokens) > self.config.max_prompt_tokens:
             raise TurnError(400, f"prompt has {len(tokens)} tokens, more than this router accepts "
                                  f"({self.config.max_prompt_tokens})", "invalid_request_error", "messages")
@@ -183,6 +183,7 @@ class TurnRunner:
             plan = plan_turn(self.directory, kind, session, model, len(tokens), placement)
             place_span.set_attribute("kvloop.decision", plan.path)
         lap("place")
+        own.lap(timings, "place")
         if placement.wait_ms:
             timings["publication_wait"] = placement.wait_ms
         if placement.plan is not None:

@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
 OWN_SESSION = True
 """Children start in a session of their own (``start_new_session``), as containers each get a cgroup. Linux's
 autogroup scheduler (on by default in many kernels, this machine's 6.18 included) shares a CPU between sessions

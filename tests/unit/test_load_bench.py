@@ -17,12 +17,14 @@ from kvloop.app.benchmarks.load_stats import (
     busy_share,
     cpu_by_part,
     cpu_times,
+    cpu_wait_by_part,
     descendants,
     knee,
     meets,
     point_figures,
     process_part,
     process_stat,
+    router_steps,
 )
 from kvloop.app.benchmarks.multiturn import cores_record, role_binding
 from kvloop.engines.config import role_cores
@@ -190,6 +192,33 @@ def test_cpu_by_part_names_each_process_and_counts_only_this_point() -> None:
     after = {10: ("engine_worker", 350), 11: ("sidecar", 50), 12: ("broker", 20)}  # the broker started meanwhile
     assert cpu_by_part(before, after, 100) == {"engine_worker": 2.5, "engine_core": 0.0, "engine_api": 0.0,
                                                "sidecar": 0.1, "broker": 0.2}
+
+
+def test_cpu_wait_by_part_counts_this_point_and_never_goes_below_zero() -> None:
+    before = {1: ("router", 2_000_000_000), 10: ("broker", 500_000_000)}
+    # the broker lost a thread with its wait meanwhile: its live threads' sum fell; a sidecar started meanwhile
+    after = {1: ("router", 3_500_000_000), 10: ("broker", 400_000_000), 11: ("sidecar", 250_000_000)}
+    waits = cpu_wait_by_part(before, after)
+    assert waits["router"] == 1.5 and waits["broker"] == 0.0 and waits["sidecar"] == 0.25
+    assert waits["engine_worker"] == 0.0
+
+
+def test_router_steps_tell_a_loop_that_waited_for_a_core_from_one_that_awaited_the_broker() -> None:
+    records = [
+        {"timings_ms": {"tokenize": 3.0, "tokenize_cpu": 2.0, "tokenize_cpu_wait": 0.5, "place": 12.0}},
+        # 300 ms of place: 20 ms of the loop's CPU and 260 ms runnable without a core: explained
+        {"timings_ms": {"tokenize": 80.0, "tokenize_cpu": 5.0, "tokenize_cpu_wait": 70.0,
+                        "place": 300.0, "place_cpu": 20.0, "place_cpu_wait": 260.0}},
+        # 200 ms of place with the loop idle and on a core: it awaited the broker
+        {"timings_ms": {"tokenize": 2.0, "place": 200.0, "place_cpu": 10.0, "place_cpu_wait": 5.0}},
+        # a record from before the fields existed: counted, not explained
+        {"timings_ms": {"tokenize": 1.0, "place": 90.0}},
+    ]
+    steps = router_steps(records)
+    assert steps["tokenize"] == {"n": 4, "over_bound": 1, "unexplained": 0, "over_bound_cpu_wait_ms": 70.0,
+                                 "bound_ms": 50.0}
+    assert steps["place"]["n"] == 4 and steps["place"]["over_bound"] == 3 and steps["place"]["unexplained"] == 2
+    assert router_steps(records, bound_ms=400.0)["place"]["over_bound"] == 0
 
 
 def test_descendants_follow_the_process_tree() -> None:

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvloop.app import tool_env
-from kvloop.shared import procs
 from kvloop.shared import headers as hdr
+from kvloop.shared import procs
 
 VERSION = "0.13.0"
 RECORDS = "profile_export.jsonl"

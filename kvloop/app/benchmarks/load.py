@@ -69,6 +69,7 @@ from kvloop.app.benchmarks.load_stats import (
     busy_share,
     cpu_by_part,
     cpu_times,
+    cpu_wait_by_part,
     descendants,
     knee,
     point_figures,
@@ -76,6 +77,7 @@ from kvloop.app.benchmarks.load_stats import (
     process_stat,
     ratio,
     request_turns,
+    router_steps,
 )
 from kvloop.app.benchmarks.multiturn import (
     BASELINE_EXTRA,
@@ -98,7 +100,7 @@ from kvloop.app.cluster import LocalCluster, picker_settings, start_gateway
 from kvloop.app.engine_set import EngineSet, start_engines
 from kvloop.engines.config import DECODE_STEP_TOKENS, default_work_dir, split_cores
 from kvloop.engines.model import ensure_tiny_model
-from kvloop.shared import mooncake
+from kvloop.shared import cpu_wait, mooncake
 from kvloop.shared.http import metric_by_label, read_metrics
 from kvloop.shared.vocabulary import Role
 
@@ -246,17 +248,29 @@ def parts_cpu() -> dict[int, tuple[str, int]]:
     return {pid: v for pid, v in seen.items() if pid in mine}
 
 
+def parts_cpu_wait(parts: dict[int, tuple[str, int]]) -> dict[int, tuple[str, int]]:
+    """pid -> (part, ns its live threads waited runnable for a core) of this process (``router``) and ``parts``
+    (:func:`parts_cpu`'s) (blocking)."""
+    out = {}
+    for pid, part in ((os.getpid(), "router"), *((pid, v[0]) for pid, v in parts.items())):
+        if (ns := cpu_wait.process_wait_ns(pid)) is not None:
+            out[pid] = (part, ns)
+    return out
+
+
 def snapshot(urls: list[str], serving: list[str], router: str | None
              ) -> tuple[dict[str, tuple[int, int]], dict[str, float], dict[str, float], tuple[float, float],
-                        dict[int, tuple[str, int]]]:
+                        dict[int, tuple[str, int]], dict[int, tuple[str, int]]]:
     """Each core's jiffies, the engines' figures, the router's turns by path, the CPU seconds of this process
-    (the bench and kvloop's in-process router) and of its finished children (AIPerf runs), and the jiffies of each
-    engine process, sidecar and broker (:func:`parts_cpu`) (blocking: run in a thread)."""
+    (the bench and kvloop's in-process router) and of its finished children (AIPerf runs), the jiffies of each
+    engine process, sidecar and broker (:func:`parts_cpu`) and their and this process's wait for a core
+    (:func:`parts_cpu_wait`) (blocking: run in a thread)."""
     paths = {} if router is None else metric_by_label(read_metrics(router), "kvloop_router_decisions_total",
                                                        "decision")
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    parts = parts_cpu()
     return (cpu_times(Path("/proc/stat").read_text()), engine_snapshot(urls, serving), paths,
-            (own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime), parts_cpu())
+            (own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime), parts, parts_cpu_wait(parts))
 
 
 def cpu_split(before: tuple[Any, ...], after: tuple[Any, ...]) -> dict[str, float]:
@@ -308,7 +322,7 @@ async def run_point(name: str, load_value: float, url: str, router: str | None, 
     argv = aiperf.command(exe, model=model.name, tokenizer=tokenizer, url=url, concurrency=concurrency, load=load,
                           slo=args.slo, artifacts=out_dir, timeout_s=args.timeout_s)
     before = await asyncio.to_thread(snapshot, urls, serving, router)
-    t0 = time.monotonic()
+    t0, started = time.monotonic(), time.time()
     records = await asyncio.to_thread(aiperf.run, argv, out_dir, args.point_timeout_s, hf_home)
     seconds = time.monotonic() - t0
     after = await asyncio.to_thread(snapshot, urls, serving, router)
@@ -317,7 +331,8 @@ async def run_point(name: str, load_value: float, url: str, router: str | None, 
     paths = {k: int(v - before[2].get(k, 0.0)) for k, v in after[2].items() if v - before[2].get(k, 0.0) > 0}
     figures.update(load=load_value, concurrency=concurrency, aiperf_seconds=round(seconds, 1),
                    cores_busy=busy_share(before[0], after[0]), cpu_s=cpu_split(before, after),
-                   cpu_s_by_part=cpu_by_part(before[4], after[4], os.sysconf("SC_CLK_TCK")), paths=paths,
+                   cpu_s_by_part=cpu_by_part(before[4], after[4], os.sysconf("SC_CLK_TCK")),
+                   cpu_wait_s_by_part=cpu_wait_by_part(before[5], after[5]), paths=paths,
                    stalled_requests=int(eng.get("stalled", 0)),
                    prefill_time_s=round(eng.get("vllm:request_prefill_time_seconds_sum", 0.0), 3),
                    ttft_sum_s=round(sum(r.ttft_ms or 0.0 for r in records if not r.error) / 1e3, 3))
@@ -325,6 +340,8 @@ async def run_point(name: str, load_value: float, url: str, router: str | None, 
                                      if args.router_records else None)
     stalls = point_stalls(records, eng, engines, routed)
     figures["stalls"] = stalls.to_dict()
+    if routed:
+        figures["router_steps"] = router_steps([r for r in routed if r.get("t", 0.0) >= started])
     return figures, stalls
 
 
@@ -393,10 +410,15 @@ def parts_table(configs: dict[str, Any]) -> str:
             parts = p.get("cpu_s_by_part") or {}
             served = max(1, p["requests"] - p["errors"])
             own = {"router": p["cpu_s"]["bench_and_router"], **parts}
+            waits = p.get("cpu_wait_s_by_part") or {}
+            steps = p.get("router_steps") or {}
             rows.append([name, f"{p['load']:g}", *(f"{own.get(k, 0.0):g}" for k in ("router", *PARTS)),
-                         f"{1000 * sum(own.values()) / served:.0f}"])
+                         f"{1000 * sum(own.values()) / served:.0f}",
+                         "/".join(f"{waits.get(k, 0.0):g}" for k in ("router", "broker", "sidecar", "engine_worker")),
+                         "/".join(f"{steps[k]['over_bound']} ({steps[k]['unexplained']})" for k in steps) or "-"])
     return markdown_table(["config", "load", "CPU s router", "engine worker", "engine core", "engine API server",
-                           "sidecar", "broker", "ms per request"], rows)
+                           "sidecar", "broker", "ms per request", "waited for a core s router/broker/sidecar/worker",
+                           "router steps > 50 ms tokenize/place (unexplained)"], rows)
 
 
 def table(configs: dict[str, Any]) -> str:

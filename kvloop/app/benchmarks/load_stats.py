@@ -193,3 +193,49 @@ def request_turns(requests: Sequence[Request], records: Sequence[Mapping[str, An
             computed_tokens=computed, pulled_tokens=pulled, wait_s=wait_s, prefill_engine=prefill,
             decode_engine=decode))
     return out
+
+
+STEP_BOUND_MS = 50.0
+"""A router step (``tokenize``, ``place``) longer than this is counted, and checked against its loop's own time."""
+
+ROUTER_STEPS = ("tokenize", "place")
+
+
+def router_steps(records: Sequence[Mapping[str, Any]], bound_ms: float = STEP_BOUND_MS) -> dict[str, dict[str, Any]]:
+    """Per router step in the turns' records: n, the steps over ``bound_ms``, and of those how many the router's
+    loop thread does not explain: wall time less the thread's CPU (its own and the other turns' work) and its wait
+    for a core (``<step>_cpu``, ``<step>_cpu_wait``) still over ``bound_ms``, so it awaited something else (the
+    broker's reply for ``place``). A step whose record lacks those fields counts as unexplained."""
+    out: dict[str, dict[str, Any]] = {}
+    for step in ROUTER_STEPS:
+        walls, over, unexplained, waited = 0, 0, 0, 0.0
+        for r in records:
+            t = r.get("timings_ms") or {}
+            if step not in t:
+                continue
+            walls += 1
+            if t[step] <= bound_ms:
+                continue
+            over += 1
+            own = t.get(f"{step}_cpu", 0.0) + t.get(f"{step}_cpu_wait", 0.0)
+            waited += t.get(f"{step}_cpu_wait", 0.0)
+            if f"{step}_cpu_wait" not in t or t[step] - own > bound_ms:
+                unexplained += 1
+        out[step] = {"n": walls, "over_bound": over, "unexplained": unexplained,
+                     "over_bound_cpu_wait_ms": round(waited, 1), "bound_ms": bound_ms}
+    return out
+
+
+WAIT_PARTS = ("router", *PARTS)
+"""The processes whose wait for a core a point reports: this process (``router``: the bench with kvloop's
+in-process router) and :data:`PARTS`."""
+
+
+def cpu_wait_by_part(before: Mapping[int, tuple[str, int]], after: Mapping[int, tuple[str, int]]) -> dict[str, float]:
+    """Seconds each of :data:`WAIT_PARTS` waited runnable for a core between two readings of pid -> (part, ns summed
+    over its live threads); a thread that ended between them takes its wait with it (so a process's delta is at
+    least 0, and the figure a lower bound)."""
+    out = dict.fromkeys(WAIT_PARTS, 0.0)
+    for pid, (part, ns) in after.items():
+        out[part] += max(0, ns - before[pid][1] if pid in before else ns) / 1e9
+    return {k: round(v, 2) for k, v in out.items()}
