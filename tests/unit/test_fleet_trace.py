@@ -27,6 +27,14 @@ def test_shared_hash_ids_give_shared_keys_and_a_conversation_is_one_session() ->
     assert b.keys[len(b.prompt_keys):] != a.keys[len(a.prompt_keys):]  # answers are never shared
 
 
+def test_a_salt_draws_new_text_for_the_same_ids_as_each_aiperf_run_does() -> None:
+    rows = [TraceRow(0, 100, 10, (1, 2, 3, 4)), TraceRow(500, 150, 10, (1, 2, 3, 4, 5, 6))]
+    (_, a), (_, b) = trace_schedule(rows, trace_block=32, block_size=16, salt="point-1/")
+    (_, a0), _ = trace_schedule(rows, trace_block=32, block_size=16)
+    assert b.prompt_keys[: len(a.prompt_keys)] == a.prompt_keys  # within a point the ids still share their blocks
+    assert not set(a.keys) & set(a0.keys)  # across points nothing is shared
+
+
 def test_requests_go_at_their_times_and_at_most_concurrency_at_once() -> None:
     rows = [TraceRow(0, 400, 20, (i,)) for i in range(6)] + [TraceRow(10_000, 400, 20, (99,))]
     schedule = trace_schedule(rows, trace_block=512, block_size=16)

@@ -148,8 +148,8 @@ def simulate_config(name: str, args: argparse.Namespace, loads: list[float], fle
     """One configuration over the load points, one after another on the same fleet as the load bench runs them,
     with the load bench's knees."""
     if args.trace:
-        schedules = [trace_schedule(trace_rows(args, value), args.trace_block_size, profile.block_size)
-                     for value in loads]
+        schedules = [trace_schedule(trace_rows(args, value), args.trace_block_size, profile.block_size,
+                                    salt=f"point-{i}/") for i, value in enumerate(loads)]
         points = simulate_schedules(name, schedules, args.trace_concurrency, fleet, profile, slo)
     else:
         sweep = [(agent_conversations(agent_load(args, value)), int(value)) for value in loads]

@@ -23,7 +23,9 @@ from kvloop.shared.mooncake import TraceRow
 
 def trace_schedule(rows: Sequence[TraceRow], trace_block: int, block_size: int,
                    salt: str = "") -> list[tuple[float, Turn]]:
-    """Each row (in arrival order) as ``(seconds from the start, turn)``."""
+    """Each row (in arrival order) as ``(seconds from the start, turn)``. ``salt`` draws every id's tokens anew: AIPerf
+    writes new text for the same ids in each run, so the load bench's points share no block (measured: no key in
+    common between a replay's points in the router's records)."""
     convs = mooncake.conversations(rows)
     digest = EXTRA.digest()
     low, high = ANSWER_VOCAB
@@ -34,7 +36,7 @@ def trace_schedule(rows: Sequence[TraceRow], trace_block: int, block_size: int,
         tokens: list[int] = []
         for h in row.hash_ids:
             if h not in blocks:
-                rng = random.Random(f"id/{h}")
+                rng = random.Random(f"{salt}id/{h}")
                 blocks[h] = [rng.randrange(low, high) for _ in range(trace_block)]
             tokens += blocks[h]
         if len(tokens) < row.input_length:  # ids short of the length: the rest is this request's own
