@@ -96,3 +96,23 @@ def test_an_impossible_host_is_refused_by_name(changes: dict[str, float], field:
     with pytest.raises(ConfigError) as err:
         HostSpec(**changes)  # type: ignore[arg-type]
     assert err.value.field == field
+
+
+def test_engines_on_one_core_share_it_while_both_compute() -> None:
+    host = HostShare(HostSpec(cores=2), {"p0": (0,), "p1": (0,), "d": (1,)})
+    assert host.step("p0", 0.0, 1.0) == pytest.approx(1.0)  # alone on core 0
+    assert host.step("p1", 0.5, 1.0) == pytest.approx(1.5)  # half a second of p0's step still to run beside it
+    assert host.step("d", 0.5, 1.0) == pytest.approx(1.0)  # core 1 is its own
+    assert host.step("p0", 1.0, 0.2) == pytest.approx(0.4)  # p1 runs to 2.0: at most its own time again
+    assert host.step("p0", 5.0, 1.0) == pytest.approx(1.0)  # both idle by then
+
+
+@given(st.lists(st.tuples(st.sampled_from(["p0", "p1"]), st.floats(0.0, 2.0), st.floats(0.001, 1.0)), max_size=30))
+@settings(max_examples=100, deadline=None)
+def test_a_shared_core_never_speeds_a_step_nor_more_than_doubles_it(steps: list[tuple[str, float, float]]) -> None:
+    host = HostShare(HostSpec(cores=1), {"p0": (0,), "p1": (0,)})
+    now = 0.0
+    for engine, gap, seconds in steps:
+        now += gap
+        wall = host.step(engine, now, seconds)
+        assert seconds <= wall <= 2 * seconds + 1e-9
