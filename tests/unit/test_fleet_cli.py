@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +136,31 @@ def test_a_tiny_prediction_has_the_load_benchs_shape(profile_file: Path, tmp_pat
     printed = capsys.readouterr().out
     assert "| config | load | n | goodput/s |" in printed and printed.count("| aggregated | ") == 2
     assert result["markdown"] in printed
+
+
+def test_the_aggregated_engine_computes_at_its_own_profile(profile_file: Path, tmp_path: Path) -> None:
+    fast = tmp_path / "fast-profile.json"
+    dump_profile(replace(FAKE_CLI_PROFILE, name="FAKE_fast", prefill_token_s=FAKE_CLI_PROFILE.prefill_token_s / 4,
+                         step_base_s=FAKE_CLI_PROFILE.step_base_s / 4), fast)
+    runs = {}
+    for label, extra in (("one", []), ("own", ["--aggregated-profile", str(fast)])):
+        out = tmp_path / f"{label}.json"
+        assert main(["plan", "simulate", "--profile", str(profile_file), *TINY, "--configs", "aggregated,one_way",
+                     *extra, "--out", str(out)]) == 0
+        runs[label] = json.loads(out.read_text())
+    p50 = {label: [p["ttft_ms"]["p50"] for c in ("aggregated", "one_way") for p in r["configs"][c]["points"]]
+           for label, r in runs.items()}
+    assert p50["own"][:2] < p50["one"][:2]  # the aggregated engine sped up
+    assert p50["own"][2:] == p50["one"][2:]  # one-way P/D did not
+    assert runs["own"]["aggregated_profile"]["name"] == "FAKE_fast" and "aggregated_profile" not in runs["one"]
+
+
+def test_an_aggregated_profile_of_another_block_size_is_refused(profile_file: Path, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    other = tmp_path / "other.json"
+    dump_profile(replace(FAKE_CLI_PROFILE, block_size=32), other)
+    assert main(["plan", "simulate", "--profile", str(profile_file), *TINY, "--aggregated-profile", str(other)]) == 2
+    assert "--aggregated-profile: block size 32" in capsys.readouterr().err
 
 
 def point(load: float, goodput: float, ttft_p50: float | None, n: int = 100, healthy: bool = True) -> dict[str, Any]:

@@ -42,8 +42,9 @@ NOT_MIRRORED = (
     "chat template tokens (role headers, end-of-turn markers) are not in the prompts",
     "an answer's tokens are the next prompt's exactly (the engine re-tokenizes the answer's text)",
     "the warm-up before a configuration's first point (it pays first-use costs the model does not have)",
-    "each modelled engine computes at the profiled engine's speed on one core (the load bench's aggregated engine "
-    "has every core, its prefill engines share one)",
+    "each P/D engine computes at the profiled engine's speed (the load bench's two prefill engines share one core: "
+    "modelled as sharing it); the aggregated engine at its own profile's (--aggregated-profile, measured on every "
+    "core), or at the one-core profile's without it",
 )
 """What the prediction leaves out. Modelled since b78629f: the points follow one another on the same engines, and
 with ``--host-cores`` the CPU that AIPerf, the router, the API servers, the sidecars and the broker take from the
@@ -68,6 +69,9 @@ def mirror_load_flags(parser: argparse.ArgumentParser, dests: Iterable[str]) -> 
 
 def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", type=Path, required=True, help="the engine profile (kvloop bench profile's JSON)")
+    parser.add_argument("--aggregated-profile", type=Path, default=None,
+                        help="the aggregated engine's own profile (kvloop bench profile --cores on the cores the load "
+                             "bench gives it, every core); default: --profile's")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated, from " + ",".join(CONFIGS))
     mirror_load_flags(parser, MIRRORED)
     parser.add_argument("--decode-engines", type=int, default=FleetSpec().decode_engines,
@@ -176,14 +180,19 @@ def workload_record(args: argparse.Namespace, loads: list[float]) -> dict[str, A
             "not_mirrored": list(NOT_MIRRORED)}
 
 
-def run_simulation(args: argparse.Namespace, profile: EngineProfile) -> dict[str, Any]:
-    """Every configuration at every load point: ``kvloop bench load``'s JSON, predicted."""
+def run_simulation(args: argparse.Namespace, profile: EngineProfile,
+                   aggregated: EngineProfile | None = None) -> dict[str, Any]:
+    """Every configuration at every load point: ``kvloop bench load``'s JSON, predicted. ``aggregated``: the aggregated
+    engine's own profile (default: ``profile``)."""
     slo = Slo(ttft_ms=args.ttft_slo_ms, itl_ms=args.itl_slo_ms)
     loads = load_bench.loads_of(args)
     fleet, sizing = fleet_for(args, loads, profile)
-    configs = {name: simulate_config(name, args, loads, fleet, profile, slo)
+    configs = {name: simulate_config(name, args, loads, fleet,
+                                     aggregated if name == "aggregated" and aggregated else profile, slo)
                for name in [n for n in args.configs.split(",") if n]}
-    return {"predicted": True, "profile": {"file": str(args.profile), **profile_to_dict(profile)},
+    extra = ({"aggregated_profile": {"file": str(args.aggregated_profile), **profile_to_dict(aggregated)}}
+             if aggregated else {})
+    return {"predicted": True, "profile": {"file": str(args.profile), **profile_to_dict(profile)}, **extra,
             "configs": configs, "markdown": predicted_table(configs), "workload": workload_record(args, loads),
             "slo": asdict(slo), "loads": loads, "sizing": sizing,
             "fleet": {"prefill_engines": fleet.prefill_engines, "decode_engines": fleet.decode_engines,
@@ -206,25 +215,31 @@ def predicted_table(configs: dict[str, Any]) -> str:
                            "ITL p50", "ITL p99", "req/s", "paths", "retained blocks peak", "MB moved"], rows)
 
 
-def read_profile(path: Path) -> tuple[EngineProfile | None, str]:
+def read_profile(path: Path, flag: str = "--profile") -> tuple[EngineProfile | None, str]:
     """The profile, or the reason it cannot be read, naming the flag."""
     try:
         return load_profile(path), ""
     except OSError as exc:
-        return None, f"--profile: cannot read {path} ({exc.strerror})"
+        return None, f"{flag}: cannot read {path} ({exc.strerror})"
     except ConfigError as exc:
-        return None, f"--profile: {exc}"
+        return None, f"{flag}: {exc}"
 
 
 def simulate_main(args: argparse.Namespace) -> int:
     problem = validate_simulate(args)
     profile, unreadable = (None, "") if problem else read_profile(args.profile)
-    if problem or profile is None:
+    aggregated = None
+    if profile is not None and args.aggregated_profile is not None:
+        aggregated, unreadable = read_profile(args.aggregated_profile, "--aggregated-profile")
+        if aggregated is not None and aggregated.block_size != profile.block_size:
+            aggregated, unreadable = None, (f"--aggregated-profile: block size {aggregated.block_size}, the profile's "
+                                            f"is {profile.block_size}")
+    if problem or profile is None or unreadable:
         print(f"kvloop plan simulate: {problem or unreadable}", file=sys.stderr)
         return 2
     print(f"kvloop plan simulate: predicted with profile {profile.name!r} ({args.profile})", flush=True)
     try:
-        result = run_simulation(args, profile)
+        result = run_simulation(args, profile, aggregated)
     except ResourceExhausted as exc:
         print(f"kvloop plan simulate: the modelled fleet cannot serve the workload: {exc}", file=sys.stderr)
         return 1
