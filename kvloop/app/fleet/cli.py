@@ -232,8 +232,8 @@ def simulate_main(args: argparse.Namespace) -> int:
     if profile is not None and args.aggregated_profile is not None:
         aggregated, unreadable = read_profile(args.aggregated_profile, "--aggregated-profile")
         if aggregated is not None and aggregated.block_size != profile.block_size:
-            aggregated, unreadable = None, (f"--aggregated-profile: block size {aggregated.block_size}, the profile's "
-                                            f"is {profile.block_size}")
+            unreadable = (f"--aggregated-profile: block size {aggregated.block_size}, the profile's is "
+                          f"{profile.block_size}")
     if problem or profile is None or unreadable:
         print(f"kvloop plan simulate: {problem or unreadable}", file=sys.stderr)
         return 2
