@@ -219,11 +219,11 @@ async def start(name: str, model: Path, work: Path, size: Sizing, timeout_s: flo
                                                    "publication_wait_s": 0.0, **routing})
         engines = cluster.engines
     elif name in ("aggregated_steps", "aggregated_one_core"):
-        one_core = name == "aggregated_one_core"
         config = engine_config(model, work, Role.BOTH, 0, connector="none", broker="", size=size, blocks=None, extra={},
-                               cores=role_cores(Role.DECODE) if one_core else whole)
-        engines = await asyncio.to_thread(start_engines, [config if one_core else
-                                                          replace(config, step_tokens=DECODE_STEP_TOKENS)])
+                               cores=role_cores(Role.DECODE) if name == "aggregated_one_core" else whole)
+        if name == "aggregated_steps":
+            config = replace(config, step_tokens=DECODE_STEP_TOKENS)
+        engines = await asyncio.to_thread(start_engines, [config])
         return engines, None, engines.by_id("both-0").url
     else:
         engines, maybe = await start_config("ideal" if name == BASELINE else name, model, work, size, timeout_s,

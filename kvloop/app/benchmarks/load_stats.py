@@ -138,9 +138,17 @@ def cpu_by_part(before: Mapping[int, tuple[str, int]], after: Mapping[int, tuple
                 ) -> dict[str, float]:
     """CPU seconds per :data:`PARTS` between two readings of pid -> (part, jiffies); a process that started between
     them counts from zero, one that ended is not seen (engines, sidecars and brokers outlive a point)."""
-    out = dict.fromkeys(PARTS, 0.0)
-    for pid, (part, ticks) in after.items():
-        out[part] += (ticks - before[pid][1] if pid in before else ticks) / hz
+    return _by_part(before, after, hz, PARTS)
+
+
+def _by_part(before: Mapping[int, tuple[str, int]], after: Mapping[int, tuple[str, int]], unit: float,
+             parts: Sequence[str]) -> dict[str, float]:
+    """Per part, the sum over its processes of their counter's growth between two readings of pid -> (part,
+    counter), in ``unit`` per second; a process first seen in ``after`` counts from zero, and a counter that fell
+    (a sum over live threads that lost one) counts 0."""
+    out = dict.fromkeys(parts, 0.0)
+    for pid, (part, value) in after.items():
+        out[part] += max(0, value - before[pid][1] if pid in before else value) / unit
     return {k: round(v, 2) for k, v in out.items()}
 
 
@@ -217,9 +225,12 @@ def router_steps(records: Sequence[Mapping[str, Any]], bound_ms: float = STEP_BO
             if t[step] <= bound_ms:
                 continue
             over += 1
-            own = t.get(f"{step}_cpu", 0.0) + t.get(f"{step}_cpu_wait", 0.0)
-            waited += t.get(f"{step}_cpu_wait", 0.0)
-            if f"{step}_cpu_wait" not in t or t[step] - own > bound_ms:
+            wait = t.get(f"{step}_cpu_wait")
+            if wait is None:
+                unexplained += 1
+                continue
+            waited += wait
+            if t[step] - t.get(f"{step}_cpu", 0.0) - wait > bound_ms:
                 unexplained += 1
         out[step] = {"n": walls, "over_bound": over, "unexplained": unexplained,
                      "over_bound_cpu_wait_ms": round(waited, 1), "bound_ms": bound_ms}
@@ -235,7 +246,4 @@ def cpu_wait_by_part(before: Mapping[int, tuple[str, int]], after: Mapping[int, 
     """Seconds each of :data:`WAIT_PARTS` waited runnable for a core between two readings of pid -> (part, ns summed
     over its live threads); a thread that ended between them takes its wait with it (so a process's delta is at
     least 0, and the figure a lower bound)."""
-    out = dict.fromkeys(WAIT_PARTS, 0.0)
-    for pid, (part, ns) in after.items():
-        out[part] += max(0, ns - before[pid][1] if pid in before else ns) / 1e9
-    return {k: round(v, 2) for k, v in out.items()}
+    return _by_part(before, after, 1e9, WAIT_PARTS)
