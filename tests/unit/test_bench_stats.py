@@ -155,3 +155,39 @@ def test_tier_recovery_counts_the_turns_pressure_made_recompute_and_the_tier_won
     assert out["share_served_by_reuse"] == 0.5 and out["recomputed_with_tier"] == 1
     assert out["extra_tokens_computed"] == {"kvloop_pressure": 5900, "kvloop_pressure_tier": 2920}
     assert tier_recovery([r for r in records if r.config != "kvloop"]) is None
+
+
+def test_resumed_turns_are_those_after_a_pause_with_their_recompute_share_and_p99() -> None:
+    def rec(config: str, conv: str, turn: int, computed: int, ttft_s: float) -> TurnRecord:
+        return TurnRecord(config, 0, conv, turn, 100, ttft_s, "TRANSFER", detail={"computed-tokens": computed})
+
+    fix = "kvloop_pressure_hints_tier"
+    records = []
+    for i in range(100):  # 100 resumed turns: pressure recomputes 40 of them, the fix 5
+        conv = f"s{i}"
+        records += [rec(c, conv, 1, 1600, 9.0) for c in ("kvloop", "kvloop_pressure", fix)]  # first turns: left out
+        records += [rec("kvloop", conv, 2, 100, 0.1), rec("kvloop_pressure", conv, 2, 3000 if i < 40 else 100, 0.3),
+                    rec(fix, conv, 2, 3000 if i < 5 else 100, 0.1 if i else 0.15)]
+    out = tier_recovery(records, fix=fix, label="hints_tier")
+    assert out is not None
+    resumed = out["resumed"]
+    assert resumed["turns"] == 100
+    assert resumed["share_recomputed_under_pressure"] == 0.4
+    assert resumed["share_served_by_reuse_with_fix"] == 0.95
+    assert resumed["ttft_ms"]["kvloop"]["p99"] == 100.0 and resumed["ttft_ms"]["kvloop"]["n"] == 100
+    assert resumed["p99_over_no_pressure"] == {"kvloop_pressure": 3.0, fix: 1.0}
+
+
+def test_loguniform_pauses_spread_over_decades_and_keep_the_uniform_draw_as_it_was() -> None:
+    uniform = agent(AgentSpec(sessions=3, seed=5))
+    assert uniform == agent(AgentSpec(sessions=3, seed=5, think_dist="uniform"))
+    spec = AgentSpec(sessions=40, turns_min=10, turns_max=10, think_min_s=2, think_max_s=60, think_dist="loguniform",
+                     seed=1)
+    pauses = [p for c in agent(spec) for p in c.think_s]
+    assert all(2 <= p <= 60 for p in pauses)
+    short, long = sum(p < 6 for p in pauses), sum(p > 20 for p in pauses)
+    assert 0.25 < short / len(pauses) < 0.40 and 0.25 < long / len(pauses) < 0.40  # ln 3 / ln 30 each: 0.32
+    with pytest.raises(ValueError, match="think_min_s"):
+        AgentSpec(think_min_s=0, think_dist="loguniform").validate()
+    with pytest.raises(ValueError, match="think_dist"):
+        AgentSpec(think_dist="normal").validate()

@@ -66,6 +66,9 @@ class AgentSpec:
     answer_max: int = 256
     think_min_s: float = 0.2
     think_max_s: float = 1.5
+    think_dist: str = "uniform"
+    """How a tool pause is drawn within ``think_min_s``..``think_max_s``: ``uniform``, or ``loguniform`` (as many
+    pauses of 2-6 s as of 20-60 s: tool runs of seconds to minutes, a few long ones)."""
     concurrency: int = 3
     """Sessions in flight at once (each session's turns are sequential)."""
     seed: int = 0
@@ -82,6 +85,20 @@ class AgentSpec:
                 raise ValueError(f"{high}: must be at least {low}")
         if self.system_tokens < 0 or self.think_min_s < 0 or self.tool_sigma < 0:
             raise ValueError("system_tokens, think_min_s and tool_sigma must be >= 0")
+        if self.think_dist not in THINK_DISTS:
+            raise ValueError(f"think_dist: {self.think_dist!r} is not one of {', '.join(THINK_DISTS)}")
+        if self.think_dist == "loguniform" and self.think_min_s <= 0:
+            raise ValueError("think_min_s: must be above 0 for loguniform pauses")
+
+
+THINK_DISTS = ("uniform", "loguniform")
+
+
+def draw_think(rng: random.Random, spec: AgentSpec) -> float:
+    """One tool pause, in seconds, rounded to the millisecond."""
+    if spec.think_dist == "loguniform":
+        return round(math.exp(rng.uniform(math.log(spec.think_min_s), math.log(spec.think_max_s))), 3)
+    return round(rng.uniform(spec.think_min_s, spec.think_max_s), 3)
 
 
 @dataclass
@@ -134,7 +151,7 @@ def agent(spec: AgentSpec) -> list[Conversation]:
                                                                round(rng.lognormvariate(mu, spec.tool_sigma))))
             conv.new_tokens.append(draw(tool) + instruction)
             conv.answer_tokens.append(rng.randint(spec.answer_min, spec.answer_max))
-            conv.think_s.append(round(rng.uniform(spec.think_min_s, spec.think_max_s), 3))
+            conv.think_s.append(draw_think(rng, spec))
         out.append(conv)
     return out
 
