@@ -84,8 +84,9 @@ class LocalCluster:
                 cluster.etcd = await asyncio.to_thread(procs.start_etcd, run_dir / "etcd" / "data", run_dir / "etcd")
                 values.update(store="etcd", etcd_endpoint=cluster.etcd.extra["endpoint"])
             if separate_broker:
-                flags = [f"--{k.replace('_', '-')}={v}" for k, v in values.items() if k not in ("listen",
-                                                                                               "metrics_listen")]
+                # The process binds ports of its own choosing, unless a caller named a metrics port to read.
+                flags = [f"--{k.replace('_', '-')}={v}" for k, v in values.items()
+                         if k != "listen" and not (k == "metrics_listen" and str(v).endswith(":0"))]
                 cluster.broker_process = await asyncio.to_thread(procs.start_broker, "broker", flags,
                                                                  run_dir / "broker")
             else:

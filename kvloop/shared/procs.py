@@ -139,6 +139,9 @@ def start_broker(name: str, args: Sequence[str], run_dir: Path, env: dict[str, s
             raise RuntimeError(f"broker {name} exited early ({proc.popen.returncode}):\n{proc.log_tail()}")
         if port_file.exists():
             proc.extra["address"] = f"127.0.0.1:{port_file.read_text().strip()}"
+            metrics = [a.split("=", 1)[1] for a in args if a.startswith("--metrics-listen=")]
+            if metrics and not metrics[-1].endswith(":0"):  # a port the caller chose, to read
+                proc.extra["metrics_url"] = f"http://{metrics[-1]}"
             return proc
         time.sleep(0.05)
     proc.kill()

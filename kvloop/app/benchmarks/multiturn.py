@@ -75,6 +75,7 @@ from kvloop.app.benchmarks.workload import (
 from kvloop.app.cluster import LocalCluster
 from kvloop.app.engine_set import EngineSet, start_engines
 from kvloop.engines.config import EngineConfig, default_work_dir, is_cpu_build, role_cores
+from kvloop.engines.launcher import pick_port
 from kvloop.engines.model import ensure_tiny_model
 from kvloop.shared import headers as hdr
 from kvloop.shared.http import engine_client_connector, metric_by_label, metric_total, read_metrics
@@ -255,7 +256,8 @@ async def start_config(name: str, model: Path, work: Path, size: Sizing, timeout
         if records is not None:
             router["records_path"] = str(records)
         cluster = await LocalCluster.start(lambda broker: pd("kvloop", broker, {}), work, separate_broker=True,
-                                           broker={"engine_ttl_s": 10.0}, router=router)
+                                           broker={"engine_ttl_s": 10.0,
+                                                   "metrics_listen": f"127.0.0.1:{pick_port()}"}, router=router)
         return cluster.engines, cluster
     extra = UPSTREAM_EXTRA if name.startswith("upstream") else BASELINE_EXTRA
     return await asyncio.to_thread(start_engines, pd("kvloop", "", extra)), None
@@ -361,6 +363,7 @@ async def run_config(name: str, repeat: int, model: Path, work: Path, conversati
                                                args.think_time_s, args.concurrency)
         seconds = time.monotonic() - t0
         after = await asyncio.to_thread(engine_snapshot, urls, serving)
+        tiers = await asyncio.to_thread(broker_tier_figures, cluster) if cluster is not None else {}
     finally:
         if cluster is not None:
             await cluster.stop()
@@ -368,7 +371,17 @@ async def run_config(name: str, repeat: int, model: Path, work: Path, conversati
             await asyncio.to_thread(engines.stop)
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     return {"records": records, "gaps": gaps, "engines": delta, "seconds": seconds,
-            "step_tokens": step_budgets(engines), "cores": engine_cores(engines)}
+            "step_tokens": step_budgets(engines), "cores": engine_cores(engines), "broker": tiers}
+
+
+def broker_tier_figures(cluster: LocalCluster) -> dict[str, dict[str, float]]:
+    """What the broker counted of the host tier over the run: demotions and prefetches by outcome (its metrics)."""
+    metrics = cluster.broker_process.extra.get("metrics_url") if cluster.broker_process else None
+    if not metrics:
+        return {}
+    samples = read_metrics(metrics)
+    return {name: metric_by_label(samples, f"kvloop_broker_{name}_total", "outcome")
+            for name in ("demotions", "prefetches")}
 
 
 def step_budgets(engines: EngineSet) -> dict[str, int]:
@@ -513,6 +526,9 @@ def summarize(name: str, runs: list[dict[str, Any]], late_tokens: int) -> dict[s
                                  for r in ok),
             "computed_tokens": sum(int(r.detail.get("computed-tokens", 0)) for r in ok),
             "plan_outcomes": dict(Counter(str(r.detail.get("plan-outcome", "?")) for r in ok))}
+        # The broker's own counts: demotions to the host tier and prefetches (commanded, loaded, used, unused).
+        summary["host_tier"] = {kind: dict(sum((Counter(run.get("broker", {}).get(kind, {})) for run in runs),
+                                               Counter())) for kind in ("demotions", "prefetches")}
     return summary
 
 
