@@ -16,7 +16,8 @@ With both on, a token is used when the call carries one. What each role may call
 
 - **engine RPCs** act for one engine (a token's subject may name a pool instead, ``kvloop-prefill-*``: any engine id
   with that prefix, see :func:`subject_covers`): ``RegisterEngine`` (``engine.engine_id``), ``KeepAlive``,
-  ``DeregisterEngine``, ``PublishLease``, ``WatchEvictions``, ``ReportCacheEvents`` (``engine_id``), and
+  ``DeregisterEngine``, ``PublishLease``, ``WatchEvictions``, ``ReportCacheEvents``, ``CompleteDemotion``,
+  ``CompletePromotion`` (``engine_id``), and
   ``RenewLease`` / ``ReleaseLease`` (for the engine that owns ``lease_id``): only an engine acting for that very
   engine id (and on ``allowed_engines`` when that is set);
 - **router RPCs**: ``Place``, ``PlaceStream``, ``PinBlocks``, ``CompleteTransfer`` (kvloop's router, not the
@@ -52,6 +53,7 @@ ENGINE_RPCS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "WatchEvictions": ("engine_id", lambda r: r.engine_id),
     "ReportCacheEvents": ("engine_id", lambda r: r.engine_id),
     "CompleteDemotion": ("engine_id", lambda r: r.engine_id),
+    "CompletePromotion": ("engine_id", lambda r: r.engine_id),
 }
 LEASE_RPCS: dict[str, Callable[[Any], str]] = {
     "RenewLease": lambda r: r.lease_id,

@@ -76,6 +76,9 @@ class BrokerConfig(ServiceConfig):
         "sessions: a session not hinted this long (after its pause) is forgotten")
     session_end_memory_s: float = setting(_limit("session_end_memory_s"),
         "sessions: an ended session is remembered this long, so its last turn's lease is freed as it arrives")
+    session_prefetch_lead_s: float = setting(_limit("session_prefetch_lead_s"),
+        "sessions: this long before a paused session's stated resume, its host-tier lease is promoted back into "
+        "the pool where the engine's retention budget has room (0 = never)")
     eviction_policy: str = setting("cost", "victim choice: cost (cheapest to recompute per block) or lru",
                                    choices=POLICIES)
     recency_half_life_s: float = setting(CostAwarePolicy.recency_half_life_s,
@@ -199,7 +202,7 @@ class BrokerConfig(ServiceConfig):
                       "must not exceed max_sessions")
         self._require(0 <= self.max_high_sessions_per_owner <= self.max_sessions_per_owner,
                       "max_high_sessions_per_owner", "must lie within 0..max_sessions_per_owner")
-        for name in ("max_session_pause_s", "session_resume_margin_s"):
+        for name in ("max_session_pause_s", "session_resume_margin_s", "session_prefetch_lead_s"):
             self._require(getattr(self, name) >= 0, name, "must not be negative")
         self._require(0 < self.decode_local_max_share <= 1, "decode_local_max_share", "must be in (0, 1]")
         # The wire refuses residuals past 60 s (kvloop.shared.protocol.MAX_RESIDUAL_S): a bound beyond it binds nothing.

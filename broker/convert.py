@@ -41,6 +41,7 @@ _REASON_TO_PB = {
     EvictionReason.RELEASED: pb.EVICTION_REASON_RELEASED,
     EvictionReason.ENGINE_GONE: pb.EVICTION_REASON_ENGINE_GONE,
     EvictionReason.DEMOTION_FAILED: pb.EVICTION_REASON_DEMOTION_FAILED,
+    EvictionReason.PREFETCH: pb.EVICTION_REASON_PREFETCH,
 }
 TIER_TO_PB: dict[Tier, Any] = {Tier.POOL: pb.TIER_POOL, Tier.HOST: pb.TIER_HOST}
 
@@ -118,7 +119,8 @@ def command_to_pb(cmd: EvictionCommand) -> pb.EvictionCommand:
     return pb.EvictionCommand(
         seq=cmd.seq, engine_id=cmd.engine_id, lease_id=cmd.lease_id, block_ids=list(cmd.block_ids),
         reason=_REASON_TO_PB[cmd.reason], live_lease_ids=list(cmd.live_lease_ids), tier=TIER_TO_PB[cmd.tier],
-        demote_to_block_ids=list(cmd.demote_to),
+        demote_to_block_ids=list(cmd.demote_to), promote_pin_id=cmd.promote_pin,
+        promote_within_s=cmd.promote_within_s,
     )
 
 

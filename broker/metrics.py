@@ -65,6 +65,10 @@ class BrokerMetrics:
         self.demotions = Counter("kvloop_broker_demotions", "demotions to a host tier, by outcome: commanded (an "
                                  "eviction command with demote_to), copied or failed (the engine's report)",
                                  ["outcome"], registry=self.registry)
+        self.prefetches = Counter("kvloop_broker_prefetches", "promotions of a paused session's host-tier lease back "
+                                  "into the pool before its resume, by outcome: commanded, loaded or failed (the "
+                                  "engine's report), used or unused (the session's next placement: DECODE_LOCAL on "
+                                  "the engine holding it, or not)", ["outcome"], registry=self.registry)
         self.placements = Counter("kvloop_broker_placements", "placements, by decision and reason",
                                   ["decision", "reason"], registry=self.registry)
         self.source_tiers = Counter("kvloop_broker_placement_source_tier", "placements that reuse a lease, by the "

@@ -148,6 +148,8 @@ class BrokerRuntime:
             self.metrics.evictions.labels(reason=cmd.reason.value).inc()
             if cmd.demote_to:
                 self.metrics.demotions.labels(outcome="commanded").inc()
+            if cmd.promote_pin:
+                self.metrics.prefetches.labels(outcome="commanded").inc()
             for event in self._wakeups.get(cmd.engine_id, ()):
                 event.set()
 

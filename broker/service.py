@@ -186,6 +186,14 @@ class BrokerService(broker_pb2_grpc.KVBrokerServicer):
         self.runtime.metrics.demotions.labels(outcome="copied" if lease else "failed").inc()
         return pb.CompleteDemotionResponse(retained=lease is not None)
 
+    @rpc("CompletePromotion")
+    async def CompletePromotion(self, request: pb.CompletePromotionRequest, context: Any
+                                ) -> pb.CompletePromotionResponse:
+        await self.runtime.mutate(lambda s, now: s.complete_promotion(request.engine_id, request.lease_id,
+                                                                      request.pin_id, request.success, now))
+        self.runtime.metrics.prefetches.labels(outcome="loaded" if request.success else "failed").inc()
+        return pb.CompletePromotionResponse()
+
     def _count_clipped(self, request: pb.PlaceRequest) -> None:
         cfg = self.runtime.config
         if not cfg.measured_residuals:
@@ -222,6 +230,9 @@ class BrokerService(broker_pb2_grpc.KVBrokerServicer):
                                recompute_tokens=request.num_tokens - plan.local_tokens)
         if request.counts_in_flight:
             self.runtime.volatile(lambda s, now: s.count_placement(plan, now))
+        if plan.session_id and (use := self.runtime.volatile(lambda s, now: s.prefetch_use(plan))):
+            self.runtime.metrics.prefetches.labels(outcome=use).inc()
+            trace.get_current_span().set_attribute("kvloop.prefetch", use)  # in the turn's trace (traceparent)
         metrics = self.runtime.metrics
         metrics.placement_latency.observe(time.perf_counter() - start)
         metrics.placements.labels(decision=plan.decision.value, reason=plan.reason).inc()

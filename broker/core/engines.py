@@ -92,12 +92,14 @@ class Engines:
             self._journal.put_engine(source)
 
     def issue(self, engine_id: str, lease_id: str, block_ids: tuple[int, ...], reason: EvictionReason, *,
-              tier: Tier = Tier.POOL, demote_to: tuple[int, ...] = ()) -> EvictionCommand:
+              tier: Tier = Tier.POOL, demote_to: tuple[int, ...] = (), promote_pin: str = "",
+              promote_within_s: float = 0.0) -> EvictionCommand:
         """The engine's next command: numbered, logged, and journaled for the shell to persist and deliver."""
         rec = self.records[engine_id]
         rec.eviction_seq += 1
         cmd = EvictionCommand(seq=rec.eviction_seq, engine_id=engine_id, lease_id=lease_id,
-                              block_ids=block_ids, reason=reason, tier=tier, demote_to=demote_to)
+                              block_ids=block_ids, reason=reason, tier=tier, demote_to=demote_to,
+                              promote_pin=promote_pin, promote_within_s=promote_within_s)
         self._logs[engine_id].append(cmd)
         self._journal.command(cmd)
         self._journal.put_engine(rec)

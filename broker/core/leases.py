@@ -30,8 +30,11 @@ from kvloop.shared.errors import FailedPrecondition, NotFound, ResourceExhausted
 
 class LeaseBook:
     def __init__(self, policy: EvictionPolicy, limits: Limits, engines: Engines, pins: PinBook, journal: Journal,
-                 new_id: Callable[[], str]) -> None:
+                 new_id: Callable[[], str], held_until: Callable[[str, float], float] = lambda session, now: 0.0
+                 ) -> None:
         self.policy = policy
+        self._held_until = held_until
+        """Until when a session's pause keeps its leases (0: none): a demotion keeps that hold."""
         self.limits = limits
         self._engines = engines
         self._pins = pins
@@ -76,6 +79,10 @@ class LeaseBook:
     def lease_ids(self, engine_id: str) -> list[str]:
         holdings = self._holdings.get(engine_id)
         return sorted(holdings.lease_ids) if holdings is not None else []
+
+    def of_engine(self, engine_id: str) -> list[Lease]:
+        holdings = self._holdings.get(engine_id)
+        return [self.leases[lid] for lid in holdings.lease_ids] if holdings is not None else []
 
     # ----------------------------------------------------------------- records
     def get(self, lease_id: str) -> Lease:
@@ -241,6 +248,17 @@ class LeaseBook:
         victims, _ = choose_victims(self.policy, self._pool_candidates(engine_id), refs, need, now)
         return [cmd for victim in victims for cmd in self.evict(victim, reason, now)]
 
+    def make_room(self, engine_id: str, need: int, may_go: Callable[[Lease], bool], now: float
+                  ) -> list[EvictionCommand] | None:
+        """Free ``need`` blocks of the engine's retention budget by evicting (demoting, where the engine has a tier)
+        pool leases that ``may_go`` allows, in the policy's order; None, evicting nothing, when they cannot free
+        that many."""
+        candidates = [lease for lease in self._pool_candidates(engine_id) if may_go(lease)]
+        victims, freed = choose_victims(self.policy, candidates, self._holdings[engine_id].refs, need, now)
+        if freed < need:
+            return None
+        return [cmd for victim in victims for cmd in self.evict(victim, EvictionReason.BUDGET, now)]
+
     def fit(self, rec: EngineRecord, now: float) -> None:
         """Bring the engine's leases within its (maybe smaller) budgets at once; pinned leases go when pins end."""
         engine_id = rec.info.engine_id
@@ -294,7 +312,8 @@ class LeaseBook:
         lease.tier, lease.block_ids = Tier.HOST, self._block_ids.share(slots)
         lease.demoting_until = now + self.limits.demotion_timeout_s
         lease.ttl_s = self.limits.host_ttl_s or lease.ttl_s
-        lease.expires_at = now + lease.ttl_s
+        # A paused session's lease is demoted, not dropped, and its pause still holds it on the tier.
+        lease.expires_at = max(now + lease.ttl_s, self._held_until(lease.session_id, now))
         self._schedule(lease)
         holdings.hold(lease)
         self._demoting[lease.lease_id] = lease.demoting_until

@@ -43,7 +43,8 @@ class Limits:
     host_ttl_s: float = 0.0
     """Retention TTL of a lease once demoted to a host tier (0: the lease's own TTL)."""
     demotion_timeout_s: float = 30.0
-    """A demotion the engine has not reported in this long is dropped (its host slots freed)."""
+    """A demotion the engine has not reported in this long is dropped (its host slots freed); a promotion not
+    reported in this long ends its pin, the lease staying on the host tier."""
     # Sessions (``broker.core.sessions``): what one caller's hints may hold.
     max_sessions: int = 100_000
     max_sessions_per_owner: int = 10_000
@@ -57,6 +58,9 @@ class Limits:
     """A session not hinted for this long (after its pause) is forgotten, as a lease's default TTL."""
     session_end_memory_s: float = 60.0
     """An ended session is remembered this long, so its last turn's lease, published after the end, is freed."""
+    session_prefetch_lead_s: float = 5.0
+    """This long before a paused session's stated resume, its host-tier lease is promoted back into its decode
+    engine's pool where the engine's retention budget has room for it (``broker.core.prefetch``); 0: never."""
 
 
 def check_id(value: str, name: str, limit: int, *, required: bool = True) -> None:

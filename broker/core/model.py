@@ -21,6 +21,8 @@ class EvictionReason(enum.Enum):
     RELEASED = "released"
     ENGINE_GONE = "engine_gone"
     DEMOTION_FAILED = "demotion_failed"
+    PREFETCH = "prefetch"
+    """Not an eviction: a command to promote a host-tier lease back into the pool (``EvictionCommand.promote_pin``)."""
 
 
 class Tier(enum.Enum):
@@ -150,6 +152,11 @@ class EvictionCommand:
     """The tier ``block_ids`` are in: the engine frees them there."""
     demote_to: tuple[int, ...] = ()
     """Host slots, one per block: copy each block there before freeing it, then report the copy. Empty: drop."""
+    promote_pin: str = ""
+    """A promotion (reason PREFETCH): load the host slots ``block_ids`` back into the pool as a retained request of
+    the lease's session, publish it, and report it; this pin keeps the slots until then. Nothing is freed."""
+    promote_within_s: float = 0.0
+    """How long the pin holds the slots from now: the engine must not read them after."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -110,6 +110,8 @@ class SessionBook:
         self._high: Counter[str] = Counter()
         self._expiry: list[tuple[float, str]] = []
         """(forget_at, session id) per change; an entry whose session moved on is stale and skipped."""
+        self._prefetch: list[tuple[float, str]] = []
+        """(when to prefetch, session id) per pause: ``Limits.session_prefetch_lead_s`` before its stated resume."""
 
     def get(self, owner: str, session_id: str) -> Session | None:
         """The owner's session; None when there is none. ``PermissionDenied`` when it is another owner's."""
@@ -145,6 +147,9 @@ class SessionBook:
                 refused.append(f"pause_s: granted {pause:g} of {hint.pause_s:g} s (the broker's bound)")
             session = replace(session, resume_at=now + pause,
                               hold_until=now + pause + self.limits.session_resume_margin_s)
+            if self.limits.session_prefetch_lead_s > 0:
+                heapq.heappush(self._prefetch, (session.resume_at - self.limits.session_prefetch_lead_s,
+                                                session_id))
         if hint.priority is not None:
             priority = hint.priority
             if (priority is Priority.HIGH and old.priority is not Priority.HIGH
@@ -197,6 +202,18 @@ class SessionBook:
                 self.forget(session_id)
                 gone.append(session_id)
         return gone
+
+    def due_prefetches(self, now: float) -> list[str]:
+        """The paused sessions whose prefetch time has come (each pause once); a session that resumed, ended, paused
+        anew or was forgotten since is skipped (its newer pause has its own entry)."""
+        due = []
+        lead = self.limits.session_prefetch_lead_s
+        while self._prefetch and self._prefetch[0][0] <= now:
+            at, session_id = heapq.heappop(self._prefetch)
+            session = self.sessions.get(session_id)
+            if session is not None and session.waiting(now) and session.resume_at - lead == at:
+                due.append(session_id)
+        return due
 
     # ----------------------------------------------------------------- what the lease book asks
     def ended(self, session_id: str) -> bool:

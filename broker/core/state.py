@@ -27,6 +27,7 @@ from kvloop.broker.core.limits import (
     check_pull,
 )
 from kvloop.broker.core.model import (
+    Decision,
     EngineInfo,
     EngineLoad,
     EngineRecord,
@@ -35,12 +36,15 @@ from kvloop.broker.core.model import (
     Lease,
     Pin,
     Plan,
+    Tier,
 )
 from kvloop.broker.core.pins import PinBook
 from kvloop.broker.core.placement import PlaceInput, PlacementPolicy
 from kvloop.broker.core.placing import PlacementView
+from kvloop.broker.core.prefetch import choose_promotion
 from kvloop.broker.core.sessions import HintedPolicy, SessionBook, SessionGrant, SessionHint
 from kvloop.broker.core.soft_index import SoftAck, SoftIndex
+from kvloop.shared.errors import FailedPrecondition
 
 __all__ = ["BrokerState", "Changes", "Limits", "check_engine_info"]
 
@@ -63,7 +67,7 @@ class BrokerState:
         """What callers said of their sessions: in memory only, never in ``Changes`` (a pause's effect, the leases'
         later expiries, is)."""
         self._leases = LeaseBook(HintedPolicy(eviction_policy, self.sessions), self.limits, self._engines,
-                                 self._pins, self._journal, new_id)
+                                 self._pins, self._journal, new_id, self.sessions.hold_until)
         self.soft = SoftIndex(self.limits.soft_index_max_blocks)
         """Each engine's prefix cache as its KV events tell it: in memory only, never in ``Changes``."""
         self.in_flight = InFlight(ttl_s=self.placement_policy.in_flight_ttl_s,
@@ -78,6 +82,9 @@ class BrokerState:
         self.fleet = self._engines.fleet
         self.unheard: set[str] = self._engines.unheard
         """Engines restored by :meth:`load` not heard from since: their leases are neither matched nor pinned."""
+        self.promoted: dict[str, str] = {}
+        """Session id -> the engine a promotion loaded its lease into, until the session's next placement says
+        whether the prefetch was used (:meth:`prefetch_use`): in memory only."""
 
     # ----------------------------------------------------------------- bookkeeping
     def take_changes(self) -> Changes:
@@ -191,6 +198,75 @@ class BrokerState:
     def session_leases(self, session_id: str) -> list[Lease]:
         return self._leases.of_session(session_id)
 
+    def prefetch(self, now: float) -> list[EvictionCommand]:
+        """Promote the host-tier lease of each paused session whose prefetch time has come (:mod:`.prefetch`): a pin
+        on the lease keeps its slots while the engine loads them, and a PREFETCH command asks the engine to."""
+        commands = []
+        for session_id in self.sessions.due_prefetches(now):
+            lease = choose_promotion(self._leases.of_session(session_id), self._room_for(session_id, now))
+            if lease is None or lease.engine_id in self.unheard:
+                continue
+            engine = self.engines[lease.engine_id]
+            timeout = self.limits.demotion_timeout_s
+            # Pinned first: the room it makes may demote a lease into the tier, which must not drop this one.
+            pin = self._pins.open(engine, lease, engine, False, len(lease.block_ids), timeout, now)
+            made = self._leases.make_room(lease.engine_id, len(lease.block_ids) - self._room(lease.engine_id),
+                                          self._ranks_below(session_id, now), now)
+            if made is None:  # the room went to leases no lower in the eviction order
+                self._unpin(pin.pin_id, now)
+                continue
+            commands += made
+            commands.append(self._engines.issue(lease.engine_id, lease.lease_id, lease.block_ids,
+                                                EvictionReason.PREFETCH, tier=Tier.HOST, promote_pin=pin.pin_id,
+                                                promote_within_s=timeout))
+        return commands
+
+    def _ranks_below(self, session_id: str, now: float) -> Callable[[Lease], bool]:
+        """Whether a lease is lower in the eviction order than ``session_id``'s: of a lower priority, held by no
+        pause, or of a session that resumes later (the turn needed last gives up its room: Belady's rule)."""
+        rank = self.sessions.keep_rank(session_id, now)
+        return lambda lease: self.sessions.keep_rank(lease.session_id, now) < rank
+
+    def _room_for(self, session_id: str, now: float) -> Callable[[str], int]:
+        """Blocks a promotion of ``session_id`` may have on an engine: what its retention budget has free, plus
+        what the pool leases below the session in the eviction order hold."""
+        below = self._ranks_below(session_id, now)
+
+        def room(engine_id: str) -> int:
+            lower = {b for lease in self._leases.of_engine(engine_id) if lease.tier is Tier.POOL and below(lease)
+                     for b in lease.block_ids}
+            return self._room(engine_id) + len(lower)
+
+        return room
+
+    def _room(self, engine_id: str) -> int:
+        """Blocks the engine's retention budget has free; none for an engine this leader has not heard from."""
+        rec = self.engines.get(engine_id)
+        if rec is None or engine_id in self.unheard:
+            return 0
+        return rec.info.retention_budget_blocks - self._leases.retained_blocks(engine_id)
+
+    def complete_promotion(self, engine_id: str, lease_id: str, pin_id: str, success: bool, now: float) -> None:
+        """The engine's report of a promotion: its pin ends (the lease, superseded by the pool copy the engine
+        published, goes with it; after a failure it stays on the host tier). ``NotFound`` for a pin that timed
+        out; ``FailedPrecondition`` for a pin that is not this promotion's."""
+        pin = self._pins.get(pin_id)
+        if pin.lease_id != lease_id or pin.reader_engine_id != engine_id:
+            raise FailedPrecondition(f"pin_id: pin {pin_id!r} is not engine {engine_id!r}'s promotion of lease "
+                                     f"{lease_id!r}", field="pin_id")
+        lease = self.leases.get(lease_id)
+        if success and lease is not None:
+            self.promoted[lease.session_id] = engine_id
+        self._unpin(pin_id, now)
+
+    def prefetch_use(self, plan: Plan) -> str | None:
+        """Whether a promoted session's next placement used the prefetch ("used": DECODE_LOCAL on the engine holding
+        it) or not ("unused"); None for a session with no promotion outstanding."""
+        engine_id = self.promoted.pop(plan.session_id, None) if plan.session_id else None
+        if engine_id is None:
+            return None
+        return "used" if plan.decision is Decision.DECODE_LOCAL and plan.decode.engine_id == engine_id else "unused"
+
     # ----------------------------------------------------------------- pins
     def pin(self, reader_engine_id: str, lease_id: str, num_blocks: int, timeout_s: float, now: float) -> Pin:
         reader = self._engines.get(reader_engine_id, "reader_engine_id")
@@ -215,11 +291,14 @@ class BrokerState:
 
     # ----------------------------------------------------------------- time
     def tick(self, now: float) -> None:
-        """Expire pins, then leases, then engines whose keep-alive stopped."""
+        """Expire pins, then leases; promote what is due (:meth:`prefetch`); forget idle sessions; drop engines whose
+        keep-alive stopped."""
         for pin in self._pins.due(now):
             self._unpin(pin.pin_id, now)
         self._leases.expire(now)
-        self.sessions.expire(now)
+        self.prefetch(now)
+        for session_id in self.sessions.expire(now):
+            self.promoted.pop(session_id, None)
         for engine_id in self._engines.due(now):
             self._drop_engine(engine_id, now)
 

@@ -120,6 +120,25 @@ def demotion_copies(block_ids: Sequence[int], to_ids: Sequence[int], first_id: i
     return list(zip(block_ids, to_ids, strict=True))
 
 
+def promotion_load(slots: Sequence[int], num_tokens: int, local_tokens: int, block_size: int, first_id: int,
+                   tier_blocks: int) -> int:
+    """The tokens a promotion loads from the host tier: the prompt's blocks the slots hold beyond the
+    ``local_tokens`` vLLM's prefix cache already has, short of the prompt's last token (vLLM computes at least
+    one); 0 when a slot lies outside the tier or repeats."""
+    if len(set(slots)) != len(slots) or any(not first_id <= s < first_id + tier_blocks for s in slots):
+        return 0
+    blocks = min(len(slots), (num_tokens - 1) // block_size)
+    return max(0, blocks * block_size - local_tokens)
+
+
+def promotion_copies(slots: Sequence[int], block_ids: Sequence[int], local_tokens: int, load_tokens: int,
+                     block_size: int) -> list[tuple[int, int]]:
+    """The ``(tier slot, pool block)`` copies of a promotion: the loaded blocks follow the locally cached ones, in
+    the request's block list as in the slots."""
+    first = local_tokens // block_size
+    return [(slots[i], block_ids[i]) for i in range(first, first + load_tokens // block_size)]
+
+
 def bytes_per_block(tensor_sizes: Sequence[int], num_blocks: int) -> int:
     """KV bytes one block occupies across all layers' cache tensors (0 when unknown)."""
     return sum(int(s) for s in tensor_sizes) // max(1, int(num_blocks)) if tensor_sizes else 0

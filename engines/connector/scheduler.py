@@ -31,6 +31,8 @@ from kvloop.engines.connector.books import (
     RetainedRequest,
     bytes_per_block,
     demotion_copies,
+    promotion_copies,
+    promotion_load,
     retain,
     split_tier,
 )
@@ -39,6 +41,8 @@ from kvloop.shared.protocol import (
     DECODE_LOCAL_KEY,
     DROPPED_KEY,
     KEEP_GENERATED_KEY,
+    PROMOTE_DEADLINE_KEY,
+    PROMOTE_KEY,
     REPORT_KEY,
     RETAINED_KEY,
     SESSION_KEY,
@@ -102,7 +106,10 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
         # placement needs to tell how a short tail on this engine is chunked among its streams' decodes.
         self.step_tokens = int(getattr(vllm_config.scheduler_config, "max_num_batched_tokens", 0) or 0)
         self._copies: list[tuple[int, int]] = []
-        """Demotion copies for the next step's connector metadata."""
+        """Demotion and promotion copies for the next step's connector metadata."""
+        self._promoting: dict[str, int] = {}
+        """Promotions (a prefetch: the sidecar's request with ``PROMOTE_KEY``) that load from the host tier: the
+        tokens vLLM's prefix cache had, until the scheduler allocates their blocks."""
         self._demoting: set[str] = set()
         """Retained requests whose copy is in a step that has not reported them freed yet."""
         self._link: EngineLinkClient | None = None
@@ -155,6 +162,8 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
+        if params and params.get(PROMOTE_KEY) is not None:
+            return self._promotion_tokens(request, num_computed_tokens), False
         if params and params.get("do_remote_decode") and params.get("_remote_blocks_processed"):
             # The one pull this request was allowed has happened (or failed): recompute locally.
             return 0, False
@@ -166,9 +175,26 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
                 queued_s=max(0.0, time.time() - float(getattr(request, "arrival_time", time.time()))))
         return result
 
+    def _promotion_tokens(self, request: Request, local_tokens: int) -> int:
+        """A promotion's tokens to load from the host tier, copied at the start of the step that computes the rest
+        (a synchronous load); 0 past its deadline, when the broker's pin on the slots may have ended."""
+        params = request.kv_transfer_params or {}
+        if time.time() > float(params.get(PROMOTE_DEADLINE_KEY) or 0.0):
+            logger.warning("kvloop: promotion %s past its deadline; its prompt is computed", request.request_id)
+            return 0
+        load = promotion_load(list(params[PROMOTE_KEY]), int(request.num_tokens), local_tokens, self.block_size,
+                              self.host_tier_first_id, self.host_tier_blocks)
+        if load:
+            self._promoting[request.request_id] = local_tokens
+        return load
+
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
         books = self._prefills.get(request.request_id)
         params = request.kv_transfer_params or {}
+        local_tokens = self._promoting.pop(request.request_id, None)
+        if local_tokens is not None and num_external_tokens > 0:
+            self._copies.extend(promotion_copies(list(params[PROMOTE_KEY]), list(blocks.get_block_ids()[0]),
+                                                 local_tokens, num_external_tokens, self.block_size))
         if books is not None and num_external_tokens > 0 and not params.get("_remote_blocks_processed"):
             books.pull_began(num_external_tokens, time.perf_counter())
         super().update_state_after_alloc(request, blocks, num_external_tokens)

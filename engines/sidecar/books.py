@@ -28,6 +28,8 @@ class LeaseBooks:
     publishing: set[str] = field(default_factory=set)        # request ids whose PublishLease is in flight
     copying: dict[str, str] = field(default_factory=dict)    # request id -> lease id, its demotion under way
     hosted: set[str] = field(default_factory=set)            # lease ids on the host tier
+    contents: dict[str, tuple[str, list[int]]] = field(default_factory=dict)
+    """Lease id -> (session id, token ids) of every lease held in either tier: what a promotion asks the engine."""
     last_seq: int = 0
 
     def claim(self, request_id: str) -> bool:
@@ -42,10 +44,13 @@ class LeaseBooks:
         self.publishing.add(request_id)
         return True
 
-    def published(self, request_id: str, lease_id: str) -> None:
+    def published(self, request_id: str, lease_id: str, session_id: str = "",
+                  token_ids: list[int] | None = None) -> None:
         self.publishing.discard(request_id)
         self.held[request_id] = lease_id
         self.by_lease[lease_id] = request_id
+        if token_ids:
+            self.contents[lease_id] = (session_id, token_ids)
 
     def forget(self, request_ids: Iterable[str]) -> None:
         """The connector is told to free these: they hold no lease any more."""
@@ -54,12 +59,14 @@ class LeaseBooks:
             lease = self.held.pop(rid, None)
             if lease is not None:
                 self.by_lease.pop(lease, None)
+                self.contents.pop(lease, None)
 
     def not_live(self, live_lease_ids: Iterable[str]) -> list[str]:
         """Requests whose lease the broker no longer lists (after a re-registration or a RESYNC command); host-tier
         leases it no longer lists are forgotten (their slots hold nothing the engine frees)."""
         live = set(live_lease_ids)
         self.hosted &= live
+        self.contents = {lease: c for lease, c in self.contents.items() if lease in live}
         return [rid for rid, lease in self.held.items() if lease not in live]
 
     def known(self) -> set[str]:
@@ -81,10 +88,18 @@ class LeaseBooks:
         lease = self.copying.pop(request_id, None)
         if lease is not None and ok:
             self.hosted.add(lease)
+        elif lease is not None:
+            self.contents.pop(lease, None)
         return lease
+
+    def promotion(self, lease_id: str) -> tuple[str, list[int]] | None:
+        """The session id and token ids of a host-tier lease to promote; None when this engine holds no such lease
+        or does not know its tokens (the promotion then fails)."""
+        return self.contents.get(lease_id) if lease_id in self.hosted else None
 
     def drop_hosted(self, lease_id: str) -> bool:
         """The broker dropped a host-tier lease (TTL, room, a failed copy): whether this engine had it."""
+        self.contents.pop(lease_id, None)
         if lease_id in self.hosted:
             self.hosted.discard(lease_id)
             return True
@@ -107,6 +122,7 @@ class LeaseBooks:
         lease = self.held.pop(request_id, None)
         if lease is not None:
             self.by_lease.pop(lease, None)
+            self.contents.pop(lease, None)
         return lease
 
     def clear(self) -> None:
@@ -115,6 +131,7 @@ class LeaseBooks:
         self.publishing.clear()
         self.copying.clear()
         self.hosted.clear()
+        self.contents.clear()
 
 
 def ewma(old: float, new: float, weight: float = 0.3) -> float:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import urllib.request
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -48,6 +50,9 @@ class SidecarMetrics:
         self.engine_responsive.set(1)
         self.demotions = Counter("kvloop_sidecar_demotions_total", "leases the broker demoted to the host tier, by "
                                  "outcome (copied, failed)", ["outcome"], registry=r)
+        self.promotions = Counter("kvloop_sidecar_promotions_total", "host-tier leases the broker asked to load "
+                                  "back into the pool before their session resumes, by outcome (loaded, failed)",
+                                  ["outcome"], registry=r)
         self.host_tier_leases = Gauge("kvloop_sidecar_host_tier_leases", "leases on the engine's host tier",
                                       registry=r)
         self.transfer_bps = Gauge("kvloop_sidecar_transfer_bytes_per_second", "Measured NIXL pull bandwidth",
@@ -59,6 +64,18 @@ def scrape_engine_load(engine_url: str, timeout_s: float = 2.0) -> dict[str, flo
     samples = read_metrics(engine_url, timeout_s=timeout_s)
     return {short: metric_total(samples, name) for name, short in ENGINE_FIGURES.items()
             if any(k == name or k.startswith(name + "{") for k in samples)}
+
+
+def post_json(url: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """POST ``body`` as JSON and return the JSON reply (blocking: run in a thread); raises OSError on a status
+    other than 200 or no answer, ValueError on a reply that is not JSON."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+        if reply.status != 200:
+            raise OSError(f"{url} answered {reply.status}")
+        out: dict[str, Any] = json.loads(reply.read())
+        return out
 
 
 def probe_health(engine_url: str, timeout_s: float) -> None:

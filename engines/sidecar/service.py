@@ -14,11 +14,12 @@ from opentelemetry import trace
 from kvloop.engines.sidecar.books import LeaseBooks, Throughput, engine_load
 from kvloop.engines.sidecar.cache_feed import CacheFeed
 from kvloop.engines.sidecar.config import SidecarConfig
-from kvloop.engines.sidecar.metrics import SidecarMetrics, probe_health, scrape_engine_load
+from kvloop.engines.sidecar.metrics import SidecarMetrics, post_json, probe_health, scrape_engine_load
 from kvloop.shared.auth import token_of
 from kvloop.shared.client import BrokerClient
 from kvloop.shared.grpc_server import start_grpc_server
 from kvloop.shared.hashing import ExtraKeys, block_keys
+from kvloop.shared.protocol import PROMOTE_DEADLINE_KEY, PROMOTE_KEY, decode_local_params
 from kvloop.shared.serving import freeze_started_heap, wait_for_stop, write_port_file
 from kvloop.shared.tls import TlsFiles
 from kvloop.shared.vocabulary import Role
@@ -317,6 +318,9 @@ class Sidecar(engine_link_pb2_grpc.EngineLinkServicer):
         if command.demote_to_block_ids:
             self._demote(command, reason)
             return
+        if command.promote_pin_id:
+            self._promote(command)
+            return
         if command.tier == pb.TIER_HOST:
             # The tier's slots hold nothing the engine frees: the broker reuses them for a later demotion.
             if self.books.drop_hosted(command.lease_id):
@@ -367,6 +371,50 @@ class Sidecar(engine_link_pb2_grpc.EngineLinkServicer):
             self.metrics.host_tier_leases.set(len(self.books.hosted))
             log.info("lease.demotion_report_failed", lease=lease_id, code=exc.code().name, details=exc.details())
 
+    def _promote(self, command: pb.EvictionCommand) -> None:
+        """Load a host-tier lease back into the pool before its session resumes (the broker's prefetch): the engine
+        runs the lease's own tokens, plus one to compute, as a one-token request whose connector copies the prompt's
+        KV from the host slots; it retains and this sidecar publishes the result, which supersedes the host lease."""
+        found = self.books.promotion(command.lease_id)
+        block_size = self.hello.block_size if self.hello else 0
+        if found is None or len(found[1]) != len(command.block_ids) * block_size:
+            log.warning("lease.promotion_refused", lease=command.lease_id,
+                        why="not on this engine's host tier" if found is None else "slots and tokens differ")
+            self._spawn(self._complete_promotion(command, False))
+            return
+        session_id, tokens = found
+        log.info("lease.promoting", lease=command.lease_id, session=session_id or None, blocks=len(command.block_ids))
+        self._spawn(self._run_promotion(command, session_id, tokens))
+
+    async def _run_promotion(self, command: pb.EvictionCommand, session_id: str, tokens: list[int]) -> None:
+        started = time.perf_counter()
+        # Half the pin's time from now: the pin began when the broker issued the command, before it got here.
+        within_s = command.promote_within_s / 2
+        body = {"prompt": tokens + tokens[-1:], "max_tokens": 1, "temperature": 0.0,
+                **({"model": self.config.served_model} if self.config.served_model else {}),
+                "kv_transfer_params": {**decode_local_params(session_id), PROMOTE_KEY: list(command.block_ids),
+                                       PROMOTE_DEADLINE_KEY: time.time() + within_s}}
+        ok = True
+        try:
+            await asyncio.to_thread(post_json, f"{self.config.engine_url.rstrip('/')}/v1/completions", body,
+                                    max(1.0, within_s))
+        except (OSError, ValueError) as exc:
+            ok = False
+            log.warning("lease.promotion_failed", lease=command.lease_id, error=str(exc)[:200])
+        log.info("lease.promoted", lease=command.lease_id, ok=ok, ms=round((time.perf_counter() - started) * 1e3, 1))
+        await self._complete_promotion(command, ok)
+
+    async def _complete_promotion(self, command: pb.EvictionCommand, success: bool) -> None:
+        self.metrics.promotions.labels("loaded" if success else "failed").inc()
+        try:
+            await self.broker.call("CompletePromotion", pb.CompletePromotionRequest(
+                engine_id=self.config.engine_id, lease_id=command.lease_id, pin_id=command.promote_pin_id,
+                success=success))
+        except grpc.aio.AioRpcError as exc:
+            # The pin's timeout ends it at the broker all the same.
+            self.metrics.broker_errors.labels("CompletePromotion").inc()
+            log.info("lease.promotion_report_failed", lease=command.lease_id, code=exc.code().name)
+
     async def _publish(self, retained: lpb.Retained) -> None:
         assert self.hello is not None
         try:
@@ -389,7 +437,8 @@ class Sidecar(engine_link_pb2_grpc.EngineLinkServicer):
                             details=exc.details())
                 self._release([retained.request_id], "unpublished")
                 return
-        self.books.published(retained.request_id, reply.lease.lease_id)
+        self.books.published(retained.request_id, reply.lease.lease_id, retained.session_id,
+                             list(retained.token_ids))
         self.metrics.published.inc()
         self.metrics.leases.set(len(self.books.held))
         log.info("lease.published", lease=reply.lease.lease_id, request=retained.request_id, blocks=len(keys),

@@ -30,6 +30,12 @@ RETAINED_KEY = "kvloop_retained_blocks"
 DECODE_LOCAL_KEY = "kvloop_decode_local"
 KEEP_GENERATED_KEY = "kvloop_keep_generated"
 DROPPED_KEY = "kvloop_dropped_blocks"
+PROMOTE_KEY = "kvloop_promote_slots"
+"""A decode engine's own request that loads a host-tier lease back into its pool (a prefetch): the host slots that
+hold the prompt's first blocks, in order (``engines/connector/scheduler.py``)."""
+PROMOTE_DEADLINE_KEY = "kvloop_promote_deadline"
+"""Wall-clock time (``time.time()``, the engine's host) after which the connector must not read those slots: the
+broker's pin on them may have ended and the slots hold another lease's blocks. Past it the prompt is computed."""
 LEASE_READ_PREFIX = "kvloop-lease-"
 """``remote_request_id`` of a read of retained blocks: this prefix and the broker's lease id."""
 

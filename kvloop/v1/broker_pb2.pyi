@@ -33,6 +33,7 @@ class EvictionReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EVICTION_REASON_RELEASED: _ClassVar[EvictionReason]
     EVICTION_REASON_ENGINE_GONE: _ClassVar[EvictionReason]
     EVICTION_REASON_DEMOTION_FAILED: _ClassVar[EvictionReason]
+    EVICTION_REASON_PREFETCH: _ClassVar[EvictionReason]
 
 class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -63,6 +64,7 @@ EVICTION_REASON_RESYNC: EvictionReason
 EVICTION_REASON_RELEASED: EvictionReason
 EVICTION_REASON_ENGINE_GONE: EvictionReason
 EVICTION_REASON_DEMOTION_FAILED: EvictionReason
+EVICTION_REASON_PREFETCH: EvictionReason
 TIER_POOL: Tier
 TIER_HOST: Tier
 SESSION_PRIORITY_UNSPECIFIED: SessionPriority
@@ -173,7 +175,7 @@ class DeregisterEngineResponse(_message.Message):
     def __init__(self, dropped_leases: _Optional[int] = ...) -> None: ...
 
 class EvictionCommand(_message.Message):
-    __slots__ = ("seq", "engine_id", "lease_id", "block_ids", "reason", "live_lease_ids", "tier", "demote_to_block_ids")
+    __slots__ = ("seq", "engine_id", "lease_id", "block_ids", "reason", "live_lease_ids", "tier", "demote_to_block_ids", "promote_pin_id", "promote_within_s")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +184,8 @@ class EvictionCommand(_message.Message):
     LIVE_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     DEMOTE_TO_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTE_PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMOTE_WITHIN_S_FIELD_NUMBER: _ClassVar[int]
     seq: int
     engine_id: str
     lease_id: str
@@ -190,7 +194,9 @@ class EvictionCommand(_message.Message):
     live_lease_ids: _containers.RepeatedScalarFieldContainer[str]
     tier: Tier
     demote_to_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq: _Optional[int] = ..., engine_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., reason: _Optional[_Union[EvictionReason, str]] = ..., live_lease_ids: _Optional[_Iterable[str]] = ..., tier: _Optional[_Union[Tier, str]] = ..., demote_to_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    promote_pin_id: str
+    promote_within_s: float
+    def __init__(self, seq: _Optional[int] = ..., engine_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., reason: _Optional[_Union[EvictionReason, str]] = ..., live_lease_ids: _Optional[_Iterable[str]] = ..., tier: _Optional[_Union[Tier, str]] = ..., demote_to_block_ids: _Optional[_Iterable[int]] = ..., promote_pin_id: _Optional[str] = ..., promote_within_s: _Optional[float] = ...) -> None: ...
 
 class Lease(_message.Message):
     __slots__ = ("lease_id", "engine_id", "session_id", "block_keys", "block_ids", "num_tokens", "ttl_s", "expires_at_unix", "last_used_unix", "pins", "pending_eviction", "tier", "demoting")
@@ -331,6 +337,22 @@ class CompleteDemotionResponse(_message.Message):
     RETAINED_FIELD_NUMBER: _ClassVar[int]
     retained: bool
     def __init__(self, retained: _Optional[bool] = ...) -> None: ...
+
+class CompletePromotionRequest(_message.Message):
+    __slots__ = ("engine_id", "lease_id", "pin_id", "success")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    lease_id: str
+    pin_id: str
+    success: bool
+    def __init__(self, engine_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., pin_id: _Optional[str] = ..., success: _Optional[bool] = ...) -> None: ...
+
+class CompletePromotionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class PlaceRequest(_message.Message):
     __slots__ = ("session_id", "block_keys", "num_tokens", "layout_fingerprint", "block_size", "pin", "traceparent", "no_decode_local", "in_flight", "counts_in_flight", "router_id", "in_flight_tokens", "pd_residual_s", "decode_local_residual_s", "pd_residual_by_engine", "decode_local_residual_by_engine")

@@ -79,6 +79,11 @@ class KVBrokerStub:
                 request_serializer=kvloop_dot_v1_dot_broker__pb2.CompleteDemotionRequest.SerializeToString,
                 response_deserializer=kvloop_dot_v1_dot_broker__pb2.CompleteDemotionResponse.FromString,
                 _registered_method=True)
+        self.CompletePromotion = channel.unary_unary(
+                '/kvloop.v1.KVBroker/CompletePromotion',
+                request_serializer=kvloop_dot_v1_dot_broker__pb2.CompletePromotionRequest.SerializeToString,
+                response_deserializer=kvloop_dot_v1_dot_broker__pb2.CompletePromotionResponse.FromString,
+                _registered_method=True)
         self.Place = channel.unary_unary(
                 '/kvloop.v1.KVBroker/Place',
                 request_serializer=kvloop_dot_v1_dot_broker__pb2.PlaceRequest.SerializeToString,
@@ -169,6 +174,13 @@ class KVBrokerServicer:
 
     def CompleteDemotion(self, request, context):
         """The engine's sidecar reports a demotion (EvictionCommand.demote_to_block_ids) done or failed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CompletePromotion(self, request, context):
+        """The engine's sidecar reports a promotion (EvictionCommand.promote_pin_id) done or failed: the pin ends.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -269,6 +281,11 @@ def add_KVBrokerServicer_to_server(servicer, server):
                     servicer.CompleteDemotion,
                     request_deserializer=kvloop_dot_v1_dot_broker__pb2.CompleteDemotionRequest.FromString,
                     response_serializer=kvloop_dot_v1_dot_broker__pb2.CompleteDemotionResponse.SerializeToString,
+            ),
+            'CompletePromotion': grpc.unary_unary_rpc_method_handler(
+                    servicer.CompletePromotion,
+                    request_deserializer=kvloop_dot_v1_dot_broker__pb2.CompletePromotionRequest.FromString,
+                    response_serializer=kvloop_dot_v1_dot_broker__pb2.CompletePromotionResponse.SerializeToString,
             ),
             'Place': grpc.unary_unary_rpc_method_handler(
                     servicer.Place,
@@ -549,6 +566,33 @@ class KVBroker:
             '/kvloop.v1.KVBroker/CompleteDemotion',
             kvloop_dot_v1_dot_broker__pb2.CompleteDemotionRequest.SerializeToString,
             kvloop_dot_v1_dot_broker__pb2.CompleteDemotionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CompletePromotion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvloop.v1.KVBroker/CompletePromotion',
+            kvloop_dot_v1_dot_broker__pb2.CompletePromotionRequest.SerializeToString,
+            kvloop_dot_v1_dot_broker__pb2.CompletePromotionResponse.FromString,
             options,
             channel_credentials,
             insecure,

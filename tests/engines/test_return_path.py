@@ -385,3 +385,52 @@ def test_killed_decode_engine_drops_its_leases_and_the_next_turn_recomputes(
     t2 = driver.turn(t1.all_ids + tokens(random.Random(14), 150), max_tokens=6, session="s-kill")
     assert t2.decision in ("RECOMPUTE", "PREFILL_LOCAL") and t2.decode_engine == "decode-test-2", t2
     assert len(t2.output_ids) == 6
+
+
+def test_a_paused_sessions_demoted_lease_is_promoted_back_before_it_resumes(
+        pd_engines: PDEngines, broker_stub: broker_pb2_grpc.KVBrokerStub) -> None:
+    """Prefetch (docs/sessions.md): a session pauses, pressure demotes its lease to the host tier, and before the
+    stated resume the broker has the decode engine load it back into its pool; the next turn finds its prefix in
+    the engine's own cache and answers as a recompute does. Turn 1 is salted on the decode engine, so vLLM's
+    prefix cache cannot stand in for the copy: the promotion's tokens come from the tier (the engine's
+    ``external_kv_transfer`` count), and the tier's slots, copied from nothing, would change the answer."""
+    decode = pd_engines.decode
+    usage = lambda: metric(scrape(decode.url), "vllm:kv_cache_usage_perc")  # noqa: E731
+    wait_for(lambda: engines_registered(broker_stub), lambda ids: decode.engine_id in ids, timeout_s=60,
+             what="the decode engine registered")
+    expire_all_leases(broker_stub, decode.engine_id)
+    wait_for(usage, lambda u: u == 0.0, timeout_s=30, what="decode KV usage at zero")
+    prompt = tokens(random.Random(51), 400)
+    body = {"model": pd_engines.model_name, "prompt": prompt, "max_tokens": 8, "temperature": 0,
+            "return_token_ids": True, "cache_salt": "promote-1", "kv_transfer_params": decode_local_params("s-pre")}
+    answer = list(post_json(f"{decode.url}/v1/completions", body)["choices"][0]["token_ids"])
+    lease = wait_lease(broker_stub, decode.engine_id, "s-pre", 3)
+    pause_s = 12.0  # the broker's lead is 5 s: the promotion comes 7 s after the hint
+    broker_stub.HintSession(pb.HintSessionRequest(session_id="s-pre", pause_s=pause_s), timeout=5)
+    hinted = time.monotonic()
+    broker_stub.KeepAlive(pb.KeepAliveRequest(engine_id=decode.engine_id, load=pb.EngineLoad(
+        memory_pressure=True, pressure_free_blocks=len(lease.block_ids))), timeout=5)
+    wait_for(lambda: leases_of(broker_stub, decode.engine_id),
+             lambda ls: [(x.lease_id, x.tier, x.demoting) for x in ls] == [(lease.lease_id, pb.TIER_HOST, False)],
+             timeout_s=5, what="the paused session's lease copied to the host tier")
+    wait_for(usage, lambda u: u == 0.0, timeout_s=5, what="the demoted blocks freed from vLLM's pool")
+    before = source_counts(decode.url)
+    promoted = wait_for(lambda: leases_of(broker_stub, decode.engine_id),
+                        lambda ls: len(ls) == 1 and ls[0].tier == pb.TIER_POOL, timeout_s=30,
+                        what="the lease promoted back into the pool")[0]
+    assert time.monotonic() - hinted < pause_s  # before the stated resume
+    assert promoted.lease_id != lease.lease_id and list(promoted.block_keys) == list(lease.block_keys)
+    loaded = delta(source_counts(decode.url), before)
+    assert loaded["external_kv_transfer"] == len(lease.block_keys) * BS and loaded["local_compute"] == 1, loaded
+    prompt2 = prompt + answer + tokens(random.Random(52), 100)
+    before = source_counts(decode.url)
+    body = {"model": pd_engines.model_name, "prompt": prompt2, "max_tokens": 8, "temperature": 0,
+            "return_token_ids": True, "logprobs": 5, "kv_transfer_params": decode_local_params("s-pre")}
+    choice = post_json(f"{decode.url}/v1/completions", body)["choices"][0]
+    assert delta(source_counts(decode.url), before)["local_cache_hit"] == len(lease.block_keys) * BS
+    reference = aggregated(pd_engines, prompt2, max_tokens=8, salt="promote-reference")
+    top = dict(choice["logprobs"]["top_logprobs"][0])
+    assert set(top) == set(reference["top"][0]), (top, reference["top"][0])
+    for token, logprob in top.items():
+        assert math.isclose(logprob, reference["top"][0][token], abs_tol=LOGPROB_TOLERANCE), (token, logprob)
+    assert_same_greedy(list(choice["token_ids"]), reference["ids"], reference["top"])

@@ -423,6 +423,53 @@ async def test_a_budget_eviction_demotes_to_the_host_tier_and_the_plan_pulls_fro
         await call.close()
 
 
+async def test_a_paused_sessions_host_lease_is_promoted_over_the_stream_and_the_report_ends_its_pin(
+        broker: Broker) -> None:
+    """Prefetch on the wire: a paused session's demoted lease gets a prefetch command before the stated resume,
+    naming the pin that keeps its slots; the engine's report ends the pin, and a report that names another pin is
+    refused naming ``pin_id``."""
+    fp, pre = "fp-promote", "promote"
+    await register_cluster(broker, pre, fp, decode_budget=4)
+    dec = f"{pre}-d"
+    with_tier = engine(dec, pb.ENGINE_ROLE_DECODE, fp, budget=4)
+    with_tier.host_tier_blocks, with_tier.host_tier_first_id = 8, 64
+    await broker.stub.RegisterEngine(pb.RegisterEngineRequest(engine=with_tier), timeout=5)
+    call = watch(broker, dec)
+    try:
+        first = (await broker.stub.PublishLease(publish_request(dec, tokens(3 * BS), fp, first_block_id=0,
+                                                                session="agent"), timeout=5)).lease
+        # Resumes 6 s from now: the broker's prefetch lead (5 s) makes it due in about 1 s.
+        await broker.stub.HintSession(pb.HintSessionRequest(session_id="agent", pause_s=6.0), timeout=5)
+        pub = await broker.stub.PublishLease(publish_request(dec, tokens(3 * BS, start=10_000), fp, first_block_id=10),
+                                             timeout=5)
+        (demote,) = pub.evictions
+        assert demote.lease_id == first.lease_id and list(demote.demote_to_block_ids) == [64, 65, 66]
+        await broker.stub.CompleteDemotion(pb.CompleteDemotionRequest(engine_id=dec, lease_id=first.lease_id,
+                                                                      success=True), timeout=5)
+        assert await call.take(1) == [demote]
+        started = time.monotonic()
+        # The promotion takes the room of the other lease, which no pause holds: it is demoted first.
+        room, promote = await call.take(2)
+        assert time.monotonic() - started < 6.0
+        assert (room.lease_id, room.reason) == (pub.lease.lease_id, pb.EVICTION_REASON_BUDGET)
+        assert room.demote_to_block_ids
+        assert promote.reason == pb.EVICTION_REASON_PREFETCH
+        assert promote.lease_id == first.lease_id and list(promote.block_ids) == [64, 65, 66]
+        assert promote.tier == pb.TIER_HOST and promote.promote_pin_id and promote.promote_within_s > 0
+        held = lease_by_id(await broker.inspect(), first.lease_id)
+        assert held is not None and held.pins == 1
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await broker.stub.CompletePromotion(pb.CompletePromotionRequest(
+                engine_id=dec, lease_id=first.lease_id, pin_id="no-such-pin", success=True), timeout=5)
+        assert exc.value.code() == grpc.StatusCode.NOT_FOUND and "pin_id" in (exc.value.details() or "")
+        await broker.stub.CompletePromotion(pb.CompletePromotionRequest(
+            engine_id=dec, lease_id=first.lease_id, pin_id=promote.promote_pin_id, success=False), timeout=5)
+        held = lease_by_id(await broker.inspect(), first.lease_id)
+        assert held is not None and held.pins == 0 and held.tier == pb.TIER_HOST  # a failed load: still on the tier
+    finally:
+        await call.close()
+
+
 async def test_watch_evictions_replay_and_resync(broker: Broker) -> None:
     fp, pre = "fp-replay", "replay"
     await register_cluster(broker, pre, fp, decode_budget=2)

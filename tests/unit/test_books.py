@@ -18,6 +18,8 @@ from kvloop.engines.connector.books import (
     bytes_per_block,
     demotion_copies,
     peers_to_rehandshake,
+    promotion_copies,
+    promotion_load,
     retain,
     split_lease_reads,
     split_tier,
@@ -207,6 +209,36 @@ def test_the_tier_is_the_top_of_the_allocation_and_copies_must_fit_it() -> None:
     assert demotion_copies([3, 7], [60, 60], 60, 40) is None  # none twice
     assert demotion_copies([3, 7], [59, 60], 60, 40) is None  # a pool block is not a slot
     assert demotion_copies([3, 7], [99, 100], 60, 40) is None  # past the tier
+
+
+def test_a_promotion_loads_the_slots_past_the_local_hit_and_short_of_the_last_token() -> None:
+    slots = [60, 61, 62]  # a lease of 3 blocks of 4 tokens; the promotion's prompt is its 12 tokens and one more
+    assert promotion_load(slots, 13, 0, 4, 60, 40) == 12
+    assert promotion_load(slots, 13, 8, 4, 60, 40) == 4  # vLLM's prefix cache had the first two blocks
+    assert promotion_load(slots, 13, 12, 4, 60, 40) == 0  # ... or all three
+    assert promotion_load(slots, 12, 0, 4, 60, 40) == 8  # a prompt of the lease's tokens alone: its last is computed
+    assert promotion_load([60, 60, 61], 13, 0, 4, 60, 40) == 0  # a slot twice
+    assert promotion_load([59, 60, 61], 13, 0, 4, 60, 40) == 0  # a pool block is not a slot
+    assert promotion_copies(slots, [7, 8, 9, 10], 0, 12, 4) == [(60, 7), (61, 8), (62, 9)]
+    assert promotion_copies(slots, [7, 8, 9, 10], 8, 4, 4) == [(62, 9)]  # after the locally cached blocks
+
+
+def test_lease_books_keep_a_leases_tokens_through_the_tier_for_its_promotion() -> None:
+    books = LeaseBooks()
+    books.published("r1", "L1", "s1", [1, 2, 3, 4])
+    books.published("r2", "L2", "s2", [5, 6, 7, 8])
+    assert books.promotion("L1") is None  # in the pool: nothing to promote
+    books.demoting("L1")
+    assert books.promotion("L1") is None  # mid-copy
+    books.demoted("r1", True)
+    assert books.promotion("L1") == ("s1", [1, 2, 3, 4])
+    assert books.drop_hosted("L1") and books.promotion("L1") is None and "L1" not in books.contents
+    books.forget(["r2"])
+    assert books.contents == {}  # released: nothing kept
+    books.published("r3", "L3", "s3", [9])
+    books.demoting("L3")
+    books.demoted("r3", False)
+    assert books.contents == {}  # a failed copy: the lease is gone
 
 
 def test_a_retained_request_sent_twice_is_published_once() -> None:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from kvloop.broker.core import (
@@ -25,6 +25,7 @@ from kvloop.broker.core import (
     Role,
     Tier,
 )
+from kvloop.broker.core.sessions import SessionHint
 from kvloop.broker.store import codec
 from kvloop.shared.errors import FailedPrecondition, NotFound, ResourceExhausted
 from kvloop.shared.hashing import ExtraKeys, block_keys
@@ -152,8 +153,14 @@ class FakeEngine:
         self.slots: dict[int, str] = {}
         self.capacity = capacity
         self.copying: set[str] = set()
+        self.promoting: dict[str, tuple[tuple[int, ...], str]] = {}
+        """Lease id -> (slots, pin) of each promotion asked for and not yet loaded."""
 
     def apply(self, cmd: EvictionCommand, holds: dict[str, tuple[Tier, tuple[int, ...]]]) -> None:
+        if cmd.promote_pin:  # a promotion frees nothing: the engine loads the slots later
+            assert cmd.reason is EvictionReason.PREFETCH and holds[cmd.lease_id] == (Tier.HOST, cmd.block_ids)
+            self.promoting[cmd.lease_id] = (cmd.block_ids, cmd.promote_pin)
+            return
         tier, held = holds.pop(cmd.lease_id)
         assert (tier, held) == (cmd.tier, cmd.block_ids), "a command for blocks the engine does not hold"
         if tier is Tier.POOL:
@@ -179,14 +186,39 @@ ops = st.lists(st.one_of(
     st.tuples(st.just("unpin"), st.integers(0, 50)),
     st.tuples(st.just("copied"), st.integers(0, 50), st.booleans()),
     st.tuples(st.just("tick"), st.sampled_from([1.0, 4.0, 20.0])),
+    st.tuples(st.just("pause"), st.integers(0, 5), st.sampled_from([5.0, 12.0, 40.0])),
+    st.tuples(st.just("promoted"), st.integers(0, 50), st.booleans()),
 ), min_size=10, max_size=50)
+"""A run's steps. Pauses, copies and promotions come in runs of their own as well (``paused_ops``): a promotion
+needs a lease published, paused, demoted and copied, and its pause's prefetch time reached, in that order."""
+paused_ops = st.lists(st.one_of(
+    st.tuples(st.just("publish"), st.integers(1, 4), st.integers(0, 3)),
+    st.tuples(st.just("pause"), st.integers(0, 3), st.sampled_from([5.0, 12.0, 40.0])),
+    st.tuples(st.just("pressure"), st.integers(1, 6)),
+    st.tuples(st.just("copied"), st.integers(0, 50), st.just(True)),
+    st.tuples(st.just("tick"), st.sampled_from([1.0, 4.0, 20.0])),
+    st.tuples(st.just("promoted"), st.integers(0, 50), st.booleans()),
+    st.tuples(st.just("pin"), st.integers(0, 50)),
+), min_size=30, max_size=80)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(budget=st.integers(3, 8), host=st.integers(0, 10), run=ops)
 def test_random_runs_keep_the_tiers_books_and_the_engines_memory_in_agreement(
         budget: int, host: int, run: list[tuple[Any, ...]]) -> None:
-    limits = Limits(demotion_timeout_s=10.0, host_ttl_s=15.0, engine_ttl_s=1e4)
+    drive(budget, host, run)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(budget=st.integers(3, 8), host=st.integers(1, 10), run=paused_ops)
+def test_random_runs_with_pauses_never_promote_from_a_slot_another_lease_holds(
+        budget: int, host: int, run: list[tuple[Any, ...]]) -> None:
+    drive(budget, host, run)
+
+
+def drive(budget: int, host: int, run: list[tuple[Any, ...]]) -> None:
+    """``run`` against the broker and a fake engine that applies its commands, checking both agree after each step."""
+    limits = Limits(demotion_timeout_s=10.0, host_ttl_s=15.0, engine_ttl_s=1e4, session_prefetch_lead_s=3.0)
     state = BrokerState(LruPolicy(), limits=limits, new_id=ids())
     state.register(EngineInfo("d", Role.DECODE, 1, "fp", budget, host_tier_blocks=host, host_tier_first_id=TIER_FIRST),
                    0.0)
@@ -227,6 +259,25 @@ def test_random_runs_keep_the_tiers_books_and_the_engines_memory_in_agreement(
             now += op[1]
             state.tick(now)
             pins = {p: v for p, v in pins.items() if p in state.pins}
+        elif op[0] == "pause":
+            state.hint_session("o", f"s{op[1]}", SessionHint(pause_s=op[2]), now)
+        elif op[0] == "promoted" and engine.promoting:
+            lid = sorted(engine.promoting)[op[1] % len(engine.promoting)]
+            slots, pin = engine.promoting.pop(lid)
+            if pin in state.pins:  # the engine's deadline: it reads the slots only while the broker's pin holds them
+                event("a promotion loaded while pinned")
+                assert all(engine.slots.get(slot) == lid for slot in slots), "a promotion read another lease's slot"
+                lease = state.leases[lid]
+                if op[2]:  # loaded: the engine retains the copy and publishes it, then reports
+                    blocks = tuple(next(fresh) for _ in slots)
+                    try:
+                        copy, _ = state.publish("d", lease.session_id, lease.keys, blocks, len(blocks), 30.0, now)
+                    except ResourceExhausted:
+                        pass
+                    else:
+                        engine.pool.update(blocks)
+                        holds[copy.lease_id] = (Tier.POOL, blocks)
+                state.complete_promotion("d", lid, pin, op[2], now)
         for cmd in state.take_changes().commands:
             engine.apply(cmd, holds)
             engine.copying -= {cmd.lease_id} if not cmd.demote_to else set()
