@@ -116,6 +116,10 @@ def test_sizing_gives_every_prefill_engine_room_for_concurrent_prompts() -> None
     assert quarter.decode_blocks < half.decode_blocks
     tight = sizing(convs, 0, 3, pressure=True, retention_share=0.25, decode_room=1)
     assert tight.decode_blocks == quarter.decode_blocks - 2 * tight.notes["longest_prompt_blocks"]
+    many = agent(AgentSpec(sessions=12, turns_min=3, turns_max=3, seed=1))
+    churning = sizing(many, 0, 12, pressure=False, prefill_room=2)
+    assert churning.notes["prefill_room_for_longest_prompts"] == 2
+    assert churning.prefill_blocks < sizing(many, 0, 12, pressure=False).prefill_blocks
 
 
 def test_a_hinting_agent_says_each_tool_pause_then_its_end() -> None:

@@ -169,18 +169,19 @@ def prefill_engines_problem(n: int) -> str:
 
 
 def sizing(conversations: list[Conversation], answer: int, concurrency: int, pressure: bool,
-           retention_share: float = 0.5, decode_room: int = 0) -> Sizing:
-    """Prefill engines: room for ``concurrency`` longest prompts (none waits for blocks only a timeout frees), and
-    at least a quarter of the histories (their prefix caches churn as in production). Under pressure the decode
-    engine can retain ``retention_share`` of the working set, and its pool holds that beside ``decode_room`` longest
-    prompts running (0: ``concurrency``; fewer: agents pausing for tools leave room, and freed blocks leave vLLM's
-    prefix cache sooner)."""
+           retention_share: float = 0.5, decode_room: int = 0, prefill_room: int = 0) -> Sizing:
+    """Prefill engines: room for ``prefill_room`` longest prompts (0: ``concurrency``, so none waits for blocks only a
+    timeout frees; fewer: agents pausing for tools leave room, and the prefill engines' prefix caches no longer hold
+    every session's history), and at least a quarter of the histories (their prefix caches churn as in
+    production). Under pressure the decode engine can retain ``retention_share`` of the working set, and its pool
+    holds that beside ``decode_room`` longest prompts running (0: ``concurrency``; fewer: agents pausing for tools
+    leave room, and freed blocks leave vLLM's prefix cache sooner)."""
     lengths = [len(c.prefix) + sum(map(len, c.new_tokens)) + sum(c.answer(t, answer) for t in range(c.turns))
                for c in conversations]
     max_len = int(math.ceil((max(lengths) + answer + BLOCK) / BLOCK) * BLOCK)
     one = max_len // BLOCK + 2
     total = sum(math.ceil(n / BLOCK) for n in lengths)
-    prefill = max(one * concurrency, math.ceil(total / 4))
+    prefill = max(one * (prefill_room or concurrency), math.ceil(total / 4))
     decode, fraction = None, 0.5
     if pressure:
         decode = one * (decode_room or concurrency) + math.ceil(total * retention_share)
@@ -756,7 +757,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         for name in names:
             pressure = name in PRESSURE or name in HINTED
             size = replace(sizing(conversations, args.answer_tokens, args.concurrency, pressure,
-                                  args.retention_share, args.decode_room),
+                                  args.retention_share, args.decode_room, args.prefill_room),
                            prefill_engines=args.prefill_engines, cores=args.cores, lease_ttl_s=args.lease_ttl_s)
             sizes["pressure" if pressure else "default"] = size.notes
             print(f"== {name}: engines starting", flush=True)
@@ -851,6 +852,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pressure", action=argparse.BooleanOptionalAction, default=False,
                         help="also the retention-pressure scenario (upstream and kvloop with a decode engine that "
                              "retains about half the working set)")
+    parser.add_argument("--prefill-room", type=int, default=0,
+                        help="every configuration: the longest prompts each prefill engine has room for (default: "
+                             "--concurrency); fewer, and the prefill engines' prefix caches churn")
     parser.add_argument("--decode-room", type=int, default=0,
                         help="pressure configurations: the longest prompts the decode pool has room for beside what "
                              "it retains (default: --concurrency)")
@@ -899,9 +903,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.recheck is not None:
         return recheck_main(args.recheck)
-    if args.decode_room < 0:
-        print("kvloop bench multiturn: --decode-room: must not be negative", file=sys.stderr)
-        return 2
+    for flag in ("decode_room", "prefill_room"):
+        if getattr(args, flag) < 0:
+            print(f"kvloop bench multiturn: --{flag.replace('_', '-')}: must not be negative", file=sys.stderr)
+            return 2
     if not 0.05 <= args.retention_share <= 1:
         print("kvloop bench multiturn: --retention-share: must be within 0.05..1", file=sys.stderr)
         return 2
