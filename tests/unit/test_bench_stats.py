@@ -180,6 +180,8 @@ def test_resumed_turns_are_those_after_a_pause_with_their_recompute_share_and_p9
     assert resumed["share_served_by_reuse_with_fix"] == 0.95
     assert resumed["ttft_ms"]["kvloop"]["p99"] == 100.0 and resumed["ttft_ms"]["kvloop"]["n"] == 100
     assert resumed["p99_over_no_pressure"] == {"kvloop_pressure": 3.0, fix: 1.0}
+    assert resumed["by_session"]["s0"] == {"resumed": 1, "kvloop_pressure": 1, fix: 1}
+    assert resumed["by_session"]["s50"] == {"resumed": 1, "kvloop_pressure": 0, fix: 0}
 
 
 def test_loguniform_pauses_spread_over_decades_and_keep_the_uniform_draw_as_it_was() -> None:

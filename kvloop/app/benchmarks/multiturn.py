@@ -586,13 +586,20 @@ def resumed_turns(complete: list[tuple[Any, ...]], lost: list[tuple[Any, ...]], 
                   ttft_s: Any, runs: tuple[str, str, str]) -> dict[str, Any]:
     """The turns after a tool pause (every turn but a session's first; keys are (repeat, conversation, turn)):
     the share pressure made recompute their history (issue 53's workload asks at least 30%), the share ``fix``
-    served by reuse all the same (it asks 90%), and their time to first token per configuration, with each p99
-    over the run without pressure (it asks at most 1.2x)."""
+    served by reuse all the same (it asks 90%), per session how many each recomputed, and their time to first token
+    per configuration, with each p99 over the run without pressure (it asks at most 1.2x)."""
     resumed = [k for k in complete if k[2] > 1]
     lost_set, fix_set = set(lost), set(fix_lost)
     ttft = {c: percentiles_ms([ttft_s(c, k) for k in resumed]) for c in runs}
     base = ttft["kvloop"]["p99"]
-    return {"turns": len(resumed),
+    # Which sessions kept their KV: per session, its resumed turns and how many each run recomputed.
+    by_session: dict[str, dict[str, int]] = {}
+    for k in resumed:
+        row = by_session.setdefault(str(k[1]), {"resumed": 0, runs[1]: 0, runs[2]: 0})
+        row["resumed"] += 1
+        row[runs[1]] += k in lost_set
+        row[runs[2]] += k in fix_set
+    return {"turns": len(resumed), "by_session": dict(sorted(by_session.items())),
             "share_recomputed_under_pressure": round(sum(k in lost_set for k in resumed) / len(resumed), 3)
             if resumed else None,
             "share_served_by_reuse_with_fix": round(sum(k not in fix_set for k in resumed) / len(resumed), 3)
