@@ -132,6 +132,9 @@ class Sizing:
     prefill_engines: int = 2
     """Prefill engines of every P/D configuration (``--prefill-engines``); the decode engine keeps the id
     ``decode-2`` whatever their number."""
+    host_tier_blocks: int = 0
+    """The decode engine's host tier in the ``_tier`` configurations (``--host-tier-blocks``; 0: as large as its
+    pool)."""
     lease_ttl_s: float = 0.0
     """Every kvloop configuration's decode engine asks this TTL for its leases (``--lease-ttl-s``; 0: the
     broker's default): a pause longer than it outlives a lease no hint holds."""
@@ -234,7 +237,7 @@ async def start_config(name: str, model: Path, work: Path, size: Sizing, timeout
                        records: Path | None = None, ideal_cores: str = "") -> tuple[EngineSet, LocalCluster | None]:
     """``records``: the kvloop router's per-turn records file (``kvloop analyze``); ``ideal_cores``: the ideal
     engine's OpenMP cores in place of its own (``kvloop bench load --engine-cores``)."""
-    tier = (size.decode_blocks or 0) if name in TIERED else 0
+    tier = (size.host_tier_blocks or size.decode_blocks or 0) if name in TIERED else 0
 
     def pd(connector: str, broker: str, extra: dict[str, Any]) -> list[EngineConfig]:
         prefills = [engine_config(model, work, Role.PREFILL, i, connector=connector, broker=broker, size=size,
@@ -765,8 +768,11 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             pressure = name in PRESSURE or name in HINTED
             size = replace(sizing(conversations, args.answer_tokens, args.concurrency, pressure,
                                   args.retention_share, args.decode_room, args.prefill_room),
-                           prefill_engines=args.prefill_engines, cores=args.cores, lease_ttl_s=args.lease_ttl_s)
-            sizes["pressure" if pressure else "default"] = size.notes
+                           prefill_engines=args.prefill_engines, cores=args.cores, lease_ttl_s=args.lease_ttl_s,
+                           host_tier_blocks=args.host_tier_blocks)
+            tier = size.host_tier_blocks or size.decode_blocks
+            sizes["pressure" if pressure else "default"] = {**size.notes,
+                                                            "decode_host_tier_blocks_kvloop_pressure_tier": tier}
             print(f"== {name}: engines starting", flush=True)
             run = await run_config(name, repeat, model, work, conversations, size, args)
             runs[name].append(run)
@@ -859,6 +865,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pressure", action=argparse.BooleanOptionalAction, default=False,
                         help="also the retention-pressure scenario (upstream and kvloop with a decode engine that "
                              "retains about half the working set)")
+    parser.add_argument("--host-tier-blocks", type=int, default=0,
+                        help="the _tier configurations: the decode engine's host tier in blocks (default: as large as "
+                             "its pool under pressure)")
     parser.add_argument("--prefill-room", type=int, default=0,
                         help="every configuration: the longest prompts each prefill engine has room for (default: "
                              "--concurrency); fewer, and the prefill engines' prefix caches churn")
@@ -910,7 +919,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.recheck is not None:
         return recheck_main(args.recheck)
-    for flag in ("decode_room", "prefill_room"):
+    for flag in ("decode_room", "prefill_room", "host_tier_blocks"):
         if getattr(args, flag) < 0:
             print(f"kvloop bench multiturn: --{flag.replace('_', '-')}: must not be negative", file=sys.stderr)
             return 2
