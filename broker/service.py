@@ -230,15 +230,16 @@ class BrokerService(broker_pb2_grpc.KVBrokerServicer):
                                recompute_tokens=request.num_tokens - plan.local_tokens)
         if request.counts_in_flight:
             self.runtime.volatile(lambda s, now: s.count_placement(plan, now))
-        if plan.session_id and (use := self.runtime.volatile(lambda s, now: s.prefetch_use(plan))):
+        use = self.runtime.volatile(lambda s, now: s.prefetch_use(plan)) if plan.session_id else None
+        if use:
             self.runtime.metrics.prefetches.labels(outcome=use).inc()
-            trace.get_current_span().set_attribute("kvloop.prefetch", use)  # in the turn's trace (traceparent)
         metrics = self.runtime.metrics
         metrics.placement_latency.observe(time.perf_counter() - start)
         metrics.placements.labels(decision=plan.decision.value, reason=plan.reason).inc()
         if plan.source_lease_id:
             metrics.source_tiers.labels(tier=plan.source_tier.value).inc()
         reply = convert.plan_to_pb(plan)
+        reply.prefetch = use or ""
         # The router's turn span carries the same attributes (one builder); kvloop.decision names the plan here.
         trace.get_current_span().set_attributes({**plan_attributes(reply), "kvloop.decision": plan.decision.value})
         if pin is not None:

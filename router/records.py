@@ -59,6 +59,9 @@ class TurnRecord:
     hints: dict[str, Any] = field(default_factory=dict)
     """What the client said of its session with this turn (``router.sessions.SessionHints.said``): sent to the
     broker as the turn ended."""
+    prefetch: str = ""
+    """Whether the broker had promoted the session's blocks before this turn and the plan used them ("used",
+    "unused"; "" when there was no prefetch): the plan's ``prefetch``."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -121,4 +124,5 @@ def turn_record(turn: Any, *, now: float, elapsed_s: float, output_tokens: int, 
         computed_tokens=report.computed_tokens, pulled_bytes=report.pulled_bytes, pull_ms=report.pull_ms,
         ttft_ms=round(ttft_s * 1e3, 3), prefill_engine=turn.outcome.prefill_engine,
         decode_engine=turn.decode.engine_id, model=plan.model, error=error,
-        timings_ms=dict(turn.outcome.timings_ms), hints=dict(hints or {}))
+        timings_ms=dict(turn.outcome.timings_ms), hints=dict(hints or {}),
+        prefetch=turn.plan.broker_plan.prefetch if turn.plan.broker_plan is not None else "")

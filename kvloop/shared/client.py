@@ -239,6 +239,7 @@ def plan_attributes(plan: Any) -> dict[str, Any]:
             "kvloop.plan.source_tier": broker_pb2.Tier.Name(plan.source_tier).removeprefix("TIER_").lower(),
             "kvloop.plan.prefill_engine": plan.prefill_engine_id, "kvloop.plan.decode_engine": plan.decode_engine_id,
             "kvloop.plan.decode_sticky": plan.decode_sticky, "kvloop.plan.candidates": plan.candidates,
+            "kvloop.plan.prefetch": plan.prefetch,
             "kvloop.cost.transfer_s": cost.transfer_s, "kvloop.cost.recompute_s": cost.recompute_s,
             "kvloop.cost.measured": cost.measured, "kvloop.cost.decode_local_s": cost.decode_local_s,
             "kvloop.cost.prefill_local_s": cost.prefill_local_s, "kvloop.cost.transfer_path_s": cost.transfer_path_s,

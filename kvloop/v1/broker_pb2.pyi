@@ -451,7 +451,7 @@ class CostEstimate(_message.Message):
     def __init__(self, transfer_s: _Optional[float] = ..., recompute_s: _Optional[float] = ..., bandwidth_bytes_per_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., bytes_per_block: _Optional[int] = ..., measured: _Optional[bool] = ..., decode_local_s: _Optional[float] = ..., prefill_local_s: _Optional[float] = ..., transfer_path_s: _Optional[float] = ..., recompute_path_s: _Optional[float] = ..., prefill_queue_s: _Optional[float] = ..., decode_stall_s: _Optional[float] = ..., pd_residual_s: _Optional[float] = ..., decode_local_residual_s: _Optional[float] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("decision", "reason", "source_engine_id", "source_addresses", "source_lease_id", "source_block_ids", "matched_blocks", "matched_tokens", "recompute_tokens", "prompt_blocks", "threshold_tokens", "cost", "prefill_engine_id", "prefill_addresses", "decode_engine_id", "decode_addresses", "decode_sticky", "session_id", "candidates", "error", "pin", "local_tokens", "pull_tokens", "decode_local_veto", "cached_tokens_seen", "error_code", "source_tier", "session_drops_generated")
+    __slots__ = ("decision", "reason", "source_engine_id", "source_addresses", "source_lease_id", "source_block_ids", "matched_blocks", "matched_tokens", "recompute_tokens", "prompt_blocks", "threshold_tokens", "cost", "prefill_engine_id", "prefill_addresses", "decode_engine_id", "decode_addresses", "decode_sticky", "session_id", "candidates", "error", "pin", "local_tokens", "pull_tokens", "decode_local_veto", "cached_tokens_seen", "error_code", "source_tier", "session_drops_generated", "prefetch")
     DECISION_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     SOURCE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -480,6 +480,7 @@ class Plan(_message.Message):
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     SOURCE_TIER_FIELD_NUMBER: _ClassVar[int]
     SESSION_DROPS_GENERATED_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_FIELD_NUMBER: _ClassVar[int]
     decision: Decision
     reason: str
     source_engine_id: str
@@ -508,7 +509,8 @@ class Plan(_message.Message):
     error_code: int
     source_tier: Tier
     session_drops_generated: bool
-    def __init__(self, decision: _Optional[_Union[Decision, str]] = ..., reason: _Optional[str] = ..., source_engine_id: _Optional[str] = ..., source_addresses: _Optional[_Union[EngineAddresses, _Mapping]] = ..., source_lease_id: _Optional[str] = ..., source_block_ids: _Optional[_Iterable[int]] = ..., matched_blocks: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., recompute_tokens: _Optional[int] = ..., prompt_blocks: _Optional[int] = ..., threshold_tokens: _Optional[int] = ..., cost: _Optional[_Union[CostEstimate, _Mapping]] = ..., prefill_engine_id: _Optional[str] = ..., prefill_addresses: _Optional[_Union[EngineAddresses, _Mapping]] = ..., decode_engine_id: _Optional[str] = ..., decode_addresses: _Optional[_Union[EngineAddresses, _Mapping]] = ..., decode_sticky: _Optional[bool] = ..., session_id: _Optional[str] = ..., candidates: _Optional[int] = ..., error: _Optional[str] = ..., pin: _Optional[_Union[PinBlocksResponse, _Mapping]] = ..., local_tokens: _Optional[int] = ..., pull_tokens: _Optional[int] = ..., decode_local_veto: _Optional[str] = ..., cached_tokens_seen: _Optional[int] = ..., error_code: _Optional[int] = ..., source_tier: _Optional[_Union[Tier, str]] = ..., session_drops_generated: _Optional[bool] = ...) -> None: ...
+    prefetch: str
+    def __init__(self, decision: _Optional[_Union[Decision, str]] = ..., reason: _Optional[str] = ..., source_engine_id: _Optional[str] = ..., source_addresses: _Optional[_Union[EngineAddresses, _Mapping]] = ..., source_lease_id: _Optional[str] = ..., source_block_ids: _Optional[_Iterable[int]] = ..., matched_blocks: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., recompute_tokens: _Optional[int] = ..., prompt_blocks: _Optional[int] = ..., threshold_tokens: _Optional[int] = ..., cost: _Optional[_Union[CostEstimate, _Mapping]] = ..., prefill_engine_id: _Optional[str] = ..., prefill_addresses: _Optional[_Union[EngineAddresses, _Mapping]] = ..., decode_engine_id: _Optional[str] = ..., decode_addresses: _Optional[_Union[EngineAddresses, _Mapping]] = ..., decode_sticky: _Optional[bool] = ..., session_id: _Optional[str] = ..., candidates: _Optional[int] = ..., error: _Optional[str] = ..., pin: _Optional[_Union[PinBlocksResponse, _Mapping]] = ..., local_tokens: _Optional[int] = ..., pull_tokens: _Optional[int] = ..., decode_local_veto: _Optional[str] = ..., cached_tokens_seen: _Optional[int] = ..., error_code: _Optional[int] = ..., source_tier: _Optional[_Union[Tier, str]] = ..., session_drops_generated: _Optional[bool] = ..., prefetch: _Optional[str] = ...) -> None: ...
 
 class PlaceBatch(_message.Message):
     __slots__ = ("requests",)

@@ -252,3 +252,7 @@ def test_the_report_says_what_sessions_hinted() -> None:
     text = hints_said(records)
     assert "4 turns said something" in text and "2 paused (median 40 s, max 100 s)" in text
     assert "1 ended" in text and "1 said high priority" in text and "1 said their answer will not be repeated" in text
+    assert "prefetch" not in text
+    prefetched = hints_said([*records, replace(base, prefetch="used"), replace(base, prefetch="unused")])
+    assert "2 turns followed a prefetch of their session's blocks, 1 used it." in prefetched
+    assert TurnRecord.from_dict(json.loads(replace(base, prefetch="used").to_json())).prefetch == "used"

@@ -35,8 +35,11 @@ def hints_said(records: Sequence[TurnRecord]) -> str:
         ("said high priority", sum(1 for h in said if h.get("priority") == "high")),
         ("said their answer will not be repeated", sum(1 for h in said if h.get("keep_generated") is False)))
         if n]
+    prefetched = [r.prefetch for r in records if r.prefetch]
+    used = (f" {len(prefetched)} turns followed a prefetch of their session's blocks, "
+            f"{sum(p == 'used' for p in prefetched)} used it.") if prefetched else ""
     return (f" Session hints: {len(said)} turns said something ({', '.join(parts) or 'normal priority only'}); the "
-            "replay below does not act on them.")
+            f"replay below does not act on them.{used}")
 
 
 def markdown(a: Analysis, source: str, plots: list[str]) -> str:
