@@ -66,6 +66,14 @@ def promotion_of(commands: list[EvictionCommand]) -> EvictionCommand:
     return cmd
 
 
+def promoted(state: BrokerState) -> tuple[Lease, EvictionCommand]:
+    """Session 1's demoted lease, promoted at 96 s (5 s before its resume) into the room session 2's end freed."""
+    lease = demoted_pause(state)
+    state.hint_session("o", "s2", SessionHint(end=True), 50.0)
+    state.tick(96.0)
+    return lease, promotion(state)
+
+
 def plan(decision: Decision, session: str = "s1", decode: str = "d") -> Plan:
     info = EngineInfo(decode, Role.DECODE, 1, "fp", 4)
     return Plan(decision=decision, reason=Reason.SHORT_TAIL_ON_DECODE, prompt_blocks=3, threshold_tokens=1,
@@ -131,10 +139,7 @@ def test_a_session_that_paused_anew_is_prefetched_at_its_new_resume_only() -> No
 
 def test_the_pin_keeps_the_slots_until_the_report_then_the_pool_copy_supersedes_the_host_lease() -> None:
     state = broker()
-    lease = demoted_pause(state)
-    state.hint_session("o", "s2", SessionHint(end=True), 50.0)
-    state.tick(96.0)
-    cmd = promotion(state)
+    lease, cmd = promoted(state)
     with pytest.raises(FailedPrecondition, match="pin_id"):
         state.complete_promotion("other", lease.lease_id, cmd.promote_pin, True, 96.5)
     # The engine retained the loaded copy and its sidecar published it (same keys, pool blocks) before reporting.
@@ -151,10 +156,7 @@ def test_the_pin_keeps_the_slots_until_the_report_then_the_pool_copy_supersedes_
 
 def test_a_failed_or_unreported_promotion_leaves_the_lease_on_the_host_tier() -> None:
     state = broker()
-    lease = demoted_pause(state)
-    state.hint_session("o", "s2", SessionHint(end=True), 50.0)
-    state.tick(96.0)
-    cmd = promotion(state)
+    lease, cmd = promoted(state)
     state.complete_promotion("d", lease.lease_id, cmd.promote_pin, False, 97.0)
     assert state.leases[lease.lease_id].tier is Tier.HOST and not state.leases[lease.lease_id].pinned
     assert state.prefetch_use(plan(Decision.TRANSFER)) is None  # nothing was loaded: nothing to count
@@ -164,10 +166,7 @@ def test_a_failed_or_unreported_promotion_leaves_the_lease_on_the_host_tier() ->
 
 def test_a_prefetch_the_next_turn_did_not_use_counts_unused() -> None:
     state = broker()
-    lease = demoted_pause(state)
-    state.hint_session("o", "s2", SessionHint(end=True), 50.0)
-    state.tick(96.0)
-    cmd = promotion(state)
+    lease, cmd = promoted(state)
     state.complete_promotion("d", lease.lease_id, cmd.promote_pin, True, 97.0)
     assert state.prefetch_use(plan(Decision.TRANSFER)) == "unused"
 
