@@ -87,10 +87,10 @@ PRESSURE = ("upstream_pressure", "kvloop_pressure", "kvloop_pressure_tier")
 """``--pressure``: the decode engine retains about half the working set; ``kvloop_pressure_tier`` is
 ``kvloop_pressure`` with a host tier as large as the decode engine's pool (its KV allocation doubled, vLLM's pool
 the same), so evictions for room demote instead of dropping."""
-HINTED = ("kvloop_pressure_hints", "kvloop_pressure_hints_tier")
-"""``kvloop_pressure`` (and ``kvloop_pressure_tier``) whose clients say what they will need (docs/sessions.md):
-before each tool run the pause it will take (``x-session-pause-s``, the workload's own think time), and the end
-with the session's last turn."""
+HINTED = ("kvloop_hints", "kvloop_pressure_hints", "kvloop_pressure_hints_tier")
+"""``kvloop`` (and ``kvloop_pressure``, ``kvloop_pressure_tier``) whose clients say what they will need
+(docs/sessions.md): before each tool run the pause it will take (``x-session-pause-s``, the workload's own think
+time), and the end with the session's last turn."""
 TIERED = ("kvloop_pressure_tier", "kvloop_pressure_hints_tier")
 LATE_TOKENS = 8000
 BREAKDOWN_STEPS = ("tokenize", "place", "publication_wait", "pin", "prefill_queue", "pull", "prefill_compute",
@@ -499,6 +499,7 @@ def summarize(name: str, runs: list[dict[str, Any]], late_tokens: int) -> dict[s
     engines = [run["engines"] for run in runs]
     summary: dict[str, Any] = {
         "ttft_ms": percentiles_ms([r.ttft_s for r in ok]), "late_ttft_ms": percentiles_ms([r.ttft_s for r in late]),
+        "resumed_ttft_ms": percentiles_ms([r.ttft_s for r in ok if r.turn > 1]),
         "e2e_ms": percentiles_ms([r.e2e_s for r in ok]), "itl_ms": percentiles_ms(gaps),
         "requests": len(records), "errors": len(records) - len(ok), "late_turns": len(late),
         "decisions": dict(Counter(r.decision for r in records)),
@@ -553,6 +554,11 @@ RATIOS = {  # name: (numerator config, denominator config, metric, quantile)
     "pressure_over_no_pressure_late_p50": ("kvloop_pressure", "kvloop", "late_ttft_ms", "p50"),
     "pressure_tier_over_no_pressure_late_p50": ("kvloop_pressure_tier", "kvloop", "late_ttft_ms", "p50"),
     "pressure_tier_over_no_pressure_late_p99": ("kvloop_pressure_tier", "kvloop", "late_ttft_ms", "p99"),
+    "pressure_over_no_pressure_resumed_p99": ("kvloop_pressure", "kvloop", "resumed_ttft_ms", "p99"),
+    "pressure_hints_tier_over_no_pressure_resumed_p99": ("kvloop_pressure_hints_tier", "kvloop", "resumed_ttft_ms",
+                                                         "p99"),
+    "pressure_hints_tier_over_hints_resumed_p99": ("kvloop_pressure_hints_tier", "kvloop_hints", "resumed_ttft_ms",
+                                                   "p99"),
 }
 
 
@@ -765,7 +771,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
               f"{shape['late_turns']} late (>= {args.late_tokens})", flush=True)
         this: dict[str, dict[str, Any]] = {}
         for name in names:
-            pressure = name in PRESSURE or name in HINTED
+            pressure = "pressure" in name
             size = replace(sizing(conversations, args.answer_tokens, args.concurrency, pressure,
                                   args.retention_share, args.decode_room, args.prefill_room),
                            prefill_engines=args.prefill_engines, cores=args.cores, lease_ttl_s=args.lease_ttl_s,
