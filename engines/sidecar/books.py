@@ -5,6 +5,7 @@ commands."""
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -28,8 +29,9 @@ class LeaseBooks:
     publishing: set[str] = field(default_factory=set)        # request ids whose PublishLease is in flight
     copying: dict[str, str] = field(default_factory=dict)    # request id -> lease id, its demotion under way
     hosted: set[str] = field(default_factory=set)            # lease ids on the host tier
-    contents: dict[str, tuple[str, list[int]]] = field(default_factory=dict)
-    """Lease id -> (session id, token ids) of every lease held in either tier: what a promotion asks the engine."""
+    contents: dict[str, tuple[str, array[int]]] = field(default_factory=dict)
+    """Lease id -> (session id, token ids) of every lease held in either tier: what a promotion asks the engine.
+    Packed (4 bytes a token): a decode engine retaining 50,000 blocks of 16 tokens keeps 3.2 MB, not ~29 as lists."""
     last_seq: int = 0
 
     def claim(self, request_id: str) -> bool:
@@ -50,7 +52,7 @@ class LeaseBooks:
         self.held[request_id] = lease_id
         self.by_lease[lease_id] = request_id
         if token_ids:
-            self.contents[lease_id] = (session_id, token_ids)
+            self.contents[lease_id] = (session_id, array("I", token_ids))
 
     def forget(self, request_ids: Iterable[str]) -> None:
         """The connector is told to free these: they hold no lease any more."""
@@ -95,7 +97,8 @@ class LeaseBooks:
     def promotion(self, lease_id: str) -> tuple[str, list[int]] | None:
         """The session id and token ids of a host-tier lease to promote; None when this engine holds no such lease
         or does not know its tokens (the promotion then fails)."""
-        return self.contents.get(lease_id) if lease_id in self.hosted else None
+        found = self.contents.get(lease_id) if lease_id in self.hosted else None
+        return (found[0], found[1].tolist()) if found is not None else None
 
     def drop_hosted(self, lease_id: str) -> bool:
         """The broker dropped a host-tier lease (TTL, room, a failed copy): whether this engine had it."""
