@@ -400,7 +400,7 @@ def test_a_paused_sessions_demoted_lease_is_promoted_back_before_it_resumes(
              what="the decode engine registered")
     expire_all_leases(broker_stub, decode.engine_id)
     wait_for(usage, lambda u: u == 0.0, timeout_s=30, what="decode KV usage at zero")
-    prompt = tokens(random.Random(51), 400)
+    prompt = tokens(random.Random(71), 400)  # a prompt of its own: no other test's is in the engine's cache
     body = {"model": pd_engines.model_name, "prompt": prompt, "max_tokens": 8, "temperature": 0,
             "return_token_ids": True, "cache_salt": "promote-1", "kv_transfer_params": decode_local_params("s-pre")}
     answer = list(post_json(f"{decode.url}/v1/completions", body)["choices"][0]["token_ids"])
@@ -422,7 +422,7 @@ def test_a_paused_sessions_demoted_lease_is_promoted_back_before_it_resumes(
     assert promoted.lease_id != lease.lease_id and list(promoted.block_keys) == list(lease.block_keys)
     loaded = delta(source_counts(decode.url), before)
     assert loaded["external_kv_transfer"] == len(lease.block_keys) * BS and loaded["local_compute"] == 1, loaded
-    prompt2 = prompt + answer + tokens(random.Random(52), 100)
+    prompt2 = prompt + answer + tokens(random.Random(72), 100)
     before = source_counts(decode.url)
     body = {"model": pd_engines.model_name, "prompt": prompt2, "max_tokens": 8, "temperature": 0,
             "return_token_ids": True, "logprobs": 5, "kv_transfer_params": decode_local_params("s-pre")}

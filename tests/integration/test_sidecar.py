@@ -252,13 +252,16 @@ class FreezableEngine:
 
         self.thawed = threading.Event()
         self.thawed.set()
-        thawed = self.thawed
+        self.answered = 0
+        """GETs answered: the sidecar counts an engine that has never answered as starting, so responsive."""
+        thawed, engine = self.thawed, self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self) -> None:
                 thawed.wait(30)
                 self.send_response(200)
                 self.end_headers()
+                engine.answered += 1
 
             def log_message(self, *args: Any) -> None:
                 pass
@@ -288,6 +291,10 @@ async def test_an_unresponsive_engine_is_let_expire_and_comes_back(tmp_path: Pat
                        what="registration")
             connector.events.put_nowait(retained("req-f", 256))
             await poll(lambda: leases(broker, "frozen-1"), bool, timeout_s=10, what="the lease")
+            # Frozen only once it has answered: until then the sidecar takes it for an engine still starting (on a
+            # loaded CI machine the first probe came after the freeze, and the keep-alives went on).
+            await poll(lambda: asyncio.sleep(0, engine.answered), lambda n: n >= 1, timeout_s=10,
+                       what="the engine's first answer")
             engine.thawed.clear()
             await poll(lambda: engine_status(broker, "frozen-1"), lambda s: s is None, timeout_s=15,
                        what="the frozen engine to expire at the broker")
