@@ -25,7 +25,7 @@ from typing import Any
 
 from kvloop.app import gateway
 from kvloop.app.demo import run_demo
-from kvloop.app.engine_set import EngineSet, start_engines
+from kvloop.app.engine_set import EngineSet, start_engines_async
 from kvloop.broker.config import BrokerConfig
 from kvloop.broker.server import SERVICE_NAME, RunningBroker, start_broker
 from kvloop.engines.config import EngineConfig, default_work_dir
@@ -94,7 +94,7 @@ class LocalCluster:
             await wait_serving(cluster.broker_address, SERVICE_NAME, timeout_s=30)
             on_step("broker", cluster)
             configs = [with_token(c, auth) for c in make_configs(cluster.broker_address)]
-            cluster.engines = await asyncio.to_thread(start_engines, configs)
+            cluster.engines = await start_engines_async(configs)
             on_step("engines", cluster)
             cluster.router = await start_router(RouterConfig.load(
                 {"listen": "127.0.0.1:0", "broker": cluster.broker_address, "refresh_s": 1.0, "log_level": "warning",

@@ -7,8 +7,9 @@ parallel. Core binding on one machine is decided in :func:`kvloop.engines.config
 
 from __future__ import annotations
 
+import asyncio
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvloop.engines.config import EngineConfig
@@ -73,3 +74,25 @@ def start_engines(configs: Sequence[EngineConfig], *, timeout_s: float | None = 
         started.stop()
         raise
     return started
+
+
+async def start_engines_async(configs: Sequence[EngineConfig], *, timeout_s: float | None = None) -> EngineSet:
+    """:func:`start_engines` from async code, in a worker thread, never leaving engines behind (:func:`owned`)."""
+    return await owned(lambda: start_engines(configs, timeout_s=timeout_s))
+
+
+async def owned(start: Callable[[], EngineSet]) -> EngineSet:
+    """Run ``start`` in a worker thread and return what it started. A cancelled caller (Ctrl-C or SIGTERM while
+    engines start) cannot stop the thread: it waits for the thread, stops the engines it started, and is cancelled
+    then. Without this, a benchmark interrupted while a configuration's engines started left them running (they run
+    in sessions of their own, so nothing else stops them)."""
+    job = asyncio.ensure_future(asyncio.to_thread(start))
+    try:
+        return await asyncio.shield(job)
+    except asyncio.CancelledError:
+        try:
+            engines = await job
+        except Exception:  # the start failed: it stopped what it had started
+            raise asyncio.CancelledError() from None
+        await asyncio.to_thread(engines.stop)
+        raise

@@ -100,7 +100,7 @@ from kvloop.app.benchmarks.stalls import BOUND_S, StallReport, find_stalls, pref
 from kvloop.app.benchmarks.stats import STALL_S, health, markdown_table, show
 from kvloop.app.benchmarks.warmup import WarmUp, warm_up
 from kvloop.app.cluster import LocalCluster, picker_settings, start_gateway
-from kvloop.app.engine_set import EngineSet, start_engines
+from kvloop.app.engine_set import EngineSet, start_engines_async
 from kvloop.engines.config import DECODE_STEP_TOKENS, default_work_dir, role_cores, split_cores
 from kvloop.engines.model import ensure_tiny_model
 from kvloop.shared import cpu_wait, mooncake
@@ -223,7 +223,7 @@ async def start(name: str, model: Path, work: Path, size: Sizing, timeout_s: flo
                                cores=role_cores(Role.DECODE) if name == "aggregated_one_core" else whole)
         if name == "aggregated_steps":
             config = replace(config, step_tokens=DECODE_STEP_TOKENS)
-        engines = await asyncio.to_thread(start_engines, [config])
+        engines = await start_engines_async([config])
         return engines, None, engines.by_id("both-0").url
     else:
         engines, maybe = await start_config("ideal" if name == BASELINE else name, model, work, size, timeout_s,

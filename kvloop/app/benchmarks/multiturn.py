@@ -73,7 +73,7 @@ from kvloop.app.benchmarks.workload import (
     synthetic,
 )
 from kvloop.app.cluster import LocalCluster
-from kvloop.app.engine_set import EngineSet, start_engines
+from kvloop.app.engine_set import EngineSet, start_engines_async
 from kvloop.engines.config import EngineConfig, default_work_dir, is_cpu_build, role_cores
 from kvloop.engines.launcher import pick_port
 from kvloop.engines.model import ensure_tiny_model
@@ -250,7 +250,7 @@ async def start_config(name: str, model: Path, work: Path, size: Sizing, timeout
         cores = ideal_cores or ("auto" if name == "ideal" else role_cores(Role.DECODE))
         config = engine_config(model, work, Role.BOTH, 0, connector="none", broker="", size=size,
                                blocks=size.decode_blocks, extra={}, cores=cores)
-        return await asyncio.to_thread(start_engines, [config]), None
+        return await start_engines_async([config]), None
     if name.startswith("kvloop"):
         # kvloop_pd: the same cluster, its router asking for strict P/D (no DECODE_LOCAL): the decode engine's
         # inter-token latency without tails computed on it, and what DECODE_LOCAL adds to TTFT.
@@ -264,7 +264,7 @@ async def start_config(name: str, model: Path, work: Path, size: Sizing, timeout
                                                    "metrics_listen": f"127.0.0.1:{pick_port()}"}, router=router)
         return cluster.engines, cluster
     extra = UPSTREAM_EXTRA if name.startswith("upstream") else BASELINE_EXTRA
-    return await asyncio.to_thread(start_engines, pd("kvloop", "", extra)), None
+    return await start_engines_async(pd("kvloop", "", extra)), None
 
 
 def client_for(name: str, http: aiohttp.ClientSession, model: str, timeout_s: float, engines: EngineSet,
