@@ -78,7 +78,7 @@ class BrokerConfig(ServiceConfig):
         "sessions: an ended session is remembered this long, so its last turn's lease is freed as it arrives")
     session_prefetch_lead_s: float = setting(_limit("session_prefetch_lead_s"),
         "sessions: this long before a paused session's stated resume, its host-tier lease is promoted back into "
-        "the pool where the engine's retention budget has room (0 = never)")
+        "the pool where the retention budget has room or leases lower in the eviction order hold it (0 = never)")
     eviction_policy: str = setting("cost", "victim choice: cost (cheapest to recompute per block) or lru",
                                    choices=POLICIES)
     recency_half_life_s: float = setting(CostAwarePolicy.recency_half_life_s,

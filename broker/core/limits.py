@@ -60,7 +60,8 @@ class Limits:
     """An ended session is remembered this long, so its last turn's lease, published after the end, is freed."""
     session_prefetch_lead_s: float = 5.0
     """This long before a paused session's stated resume, its host-tier lease is promoted back into its decode
-    engine's pool where the engine's retention budget has room for it (``broker.core.prefetch``); 0: never."""
+    engine's pool, in room its budget has free or leases lower in the eviction order hold (``broker.core.prefetch``);
+    0: never."""
 
 
 def check_id(value: str, name: str, limit: int, *, required: bool = True) -> None:

@@ -7,9 +7,10 @@ that holds it (DECODE_LOCAL): its tail alone, no hop. The engine does the promot
 lease's own tokens whose KV its connector copies from the host slots (``engines/connector/scheduler.py``); the
 pool copy, retained and published, supersedes the host lease.
 
-The price of a promotion is the pool room it takes and one engine step of one token. So a promotion is made only
-into room the engine's retention budget has free: it never evicts another lease (which could be demoted in turn and
-promoted back, a ping-pong), and a session whose turn comes sooner has already had its turn at the room. The lead
+The price of a promotion is the pool room it takes and one engine step of one token. So a promotion takes only room
+the engine's retention budget has free or that leases lower in the eviction order hold (a lower priority, no pause,
+a later resume: ``BrokerState._ranks_below``), never the room of a session that resumes sooner; an order that every
+move follows cannot demote a lease and promote it back while nothing changed (no ping-pong). The lead
 (``Limits.session_prefetch_lead_s``) is how early: long enough for the copy and the engine's queue, short enough
 that the room is not held for a turn that is still far off.
 """

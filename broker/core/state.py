@@ -229,7 +229,8 @@ class BrokerState:
 
     def _room_for(self, session_id: str, now: float) -> Callable[[str], int]:
         """Blocks a promotion of ``session_id`` may have on an engine: what its retention budget has free, plus
-        what the pool leases below the session in the eviction order hold."""
+        what the pool leases below the session in the eviction order hold. An upper bound (pinned leases count), so
+        a promotion it rules out takes no pin; :meth:`LeaseBook.make_room` decides the rest."""
         below = self._ranks_below(session_id, now)
 
         def room(engine_id: str) -> int:

@@ -36,6 +36,7 @@ import statistics
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -143,6 +144,11 @@ class Sizing:
     ``shared``, every engine on every core (the OS shares them), so a saturated role can use the cores the other
     leaves idle."""
 
+    @property
+    def tier_blocks(self) -> int:
+        """The ``_tier`` configurations' host tier: ``host_tier_blocks``, else as large as the decode pool."""
+        return self.host_tier_blocks or self.decode_blocks or 0
+
 
 PREFILL_ENGINES_HELP = "prefill engines of each P/D configuration (1..8; the CI run uses 1: fewer engines to start)"
 CORES = ("split", "shared")
@@ -237,7 +243,7 @@ async def start_config(name: str, model: Path, work: Path, size: Sizing, timeout
                        records: Path | None = None, ideal_cores: str = "") -> tuple[EngineSet, LocalCluster | None]:
     """``records``: the kvloop router's per-turn records file (``kvloop analyze``); ``ideal_cores``: the ideal
     engine's OpenMP cores in place of its own (``kvloop bench load --engine-cores``)."""
-    tier = (size.host_tier_blocks or size.decode_blocks or 0) if name in TIERED else 0
+    tier = size.tier_blocks if name in TIERED else 0
 
     def pd(connector: str, broker: str, extra: dict[str, Any]) -> list[EngineConfig]:
         prefills = [engine_config(model, work, Role.PREFILL, i, connector=connector, broker=broker, size=size,
@@ -592,7 +598,7 @@ def tier_recovery(records: list[TurnRecord], block: int = BLOCK, fix: str = "kvl
 
 
 def resumed_turns(complete: list[tuple[Any, ...]], lost: list[tuple[Any, ...]], fix_lost: list[tuple[Any, ...]],
-                  ttft_s: Any, runs: tuple[str, str, str]) -> dict[str, Any]:
+                  ttft_s: Callable[[str, tuple[Any, ...]], float], runs: tuple[str, ...]) -> dict[str, Any]:
     """The turns after a tool pause (every turn but a session's first; keys are (repeat, conversation, turn)):
     the share pressure made recompute their history (issue 53's workload asks at least 30%), the share ``fix``
     served by reuse all the same (it asks 90%), per session how many each recomputed, and their time to first token
@@ -776,9 +782,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                                   args.retention_share, args.decode_room, args.prefill_room),
                            prefill_engines=args.prefill_engines, cores=args.cores, lease_ttl_s=args.lease_ttl_s,
                            host_tier_blocks=args.host_tier_blocks)
-            tier = size.host_tier_blocks or size.decode_blocks
-            sizes["pressure" if pressure else "default"] = {**size.notes,
-                                                            "decode_host_tier_blocks_kvloop_pressure_tier": tier}
+            sizes["pressure" if pressure else "default"] = {
+                **size.notes, "decode_host_tier_blocks_kvloop_pressure_tier": size.tier_blocks or size.decode_blocks}
             print(f"== {name}: engines starting", flush=True)
             run = await run_config(name, repeat, model, work, conversations, size, args)
             runs[name].append(run)
